@@ -1,0 +1,306 @@
+"""Typed wrappers around the compiled ``torch.ops.lrmoe`` operators, with fake kernels.
+
+Every op has a CPU (C++) and a CUDA implementation in ``csrc/ops/<op>.{cpp,cu}``; the
+schemas are in ``csrc/ops/registration.cpp``. The fake kernels below give shapes and
+dtypes without data, so ``torch.compile`` and activation checkpointing can trace the
+layer. No op here synchronises the host with the device (``grouped_mm`` off its fused
+CUDA path excepted): every output size is known from input sizes alone.
+
+Legend: T tokens, K top_k, P = T*K routed pairs, E experts, H hidden size, I expert
+intermediate size, R retained pairs. A *pair* id is ``t*K + k``; a *row* is a position
+in the expert-sorted (permuted) order, where rows of expert e are
+``[offsets[e-1], offsets[e])`` in increasing pair id.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from lrmoe import _C  # noqa: F401  (loads the library; its initialisers register the ops)
+
+METRICS = ("lrm", "grad_sq", "grad_abs", "random")
+QUOTA_RULES = ("proportional", "water_level")
+SELECTIONS = ("topk", "importance")
+
+_ops = torch.ops.lrmoe
+
+
+def permute(expert_ids: Tensor, num_experts: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Group routed pairs by expert (stable counting sort).
+
+    Args:
+        expert_ids: ``(T, K)`` int32 or int64, values in ``[0, num_experts)``.
+        num_experts: E >= 1.
+
+    Returns:
+        ``row_pair`` (P,) int32: pair id held by each expert-sorted row, increasing within
+        an expert; ``pair_row`` (P,) int32: its inverse; ``tokens_per_expert`` (E,) int32;
+        ``offsets`` (E,) int32 inclusive cumulative ends (the ``offs`` of ``grouped_mm``).
+
+    Raises:
+        RuntimeError: wrong rank/dtype, ``num_experts < 1``, P >= 2**31, or (CPU) an id
+        outside ``[0, num_experts)``.
+    """
+    return _ops.permute(expert_ids, num_experts)
+
+
+def gather_rows(src: Tensor, index: Tensor, scale: Optional[Tensor] = None,
+                divisor: int = 1) -> Tensor:
+    """Compaction gather: ``out[r] = scale[r] * src[index[r] // divisor]``.
+
+    Args:
+        src: ``(N, C)`` float (fp32, bf16, fp16, fp64), any strides.
+        index: ``(R,)`` int32 with ``0 <= index // divisor < N``.
+        scale: optional ``(R,)`` float32 row factors (applied in fp32, then rounded to
+            ``src.dtype``).
+        divisor: positive int; ``divisor = K`` turns pair ids into token ids.
+
+    Returns:
+        ``(R, C)`` contiguous tensor of ``src.dtype``.
+
+    Raises:
+        RuntimeError: wrong rank/dtype, ``divisor < 1``, device mismatch, or (CPU) an index
+        out of range.
+    """
+    return _ops.gather_rows(src, index, scale, divisor)
+
+
+def combine(y: Tensor, pair_row: Tensor, weights: Optional[Tensor], top_k: int) -> Tensor:
+    """Unpermute and weighted-sum: ``out[t] = sum_k weights[t, k] * y[pair_row[t*K + k]]``.
+
+    Summation runs over k in order with an fp32 accumulator (deterministic, no atomics).
+    Rows equal to -1 are skipped (dropped pairs in the backward ``dx`` scatter).
+
+    Args:
+        y: ``(N, H)`` float rows.
+        pair_row: ``(T*K,)`` int32 row of each pair, or -1.
+        weights: optional ``(T, K)`` float routing weights (used in fp32); None means 1.
+        top_k: K >= 1, dividing ``pair_row.numel()``.
+
+    Returns:
+        ``(T, H)`` of ``y.dtype``.
+
+    Raises:
+        RuntimeError: shape/dtype/device mismatch or (CPU) a row out of range.
+    """
+    return _ops.combine(y, pair_row, weights, top_k)
+
+
+def routing_weight_grad(grad_out: Tensor, y: Tensor, pair_row: Tensor, top_k: int) -> Tensor:
+    """Exact router-side gradient ``dL/dalpha[t, k] = <grad_out[t], y[pair_row[t*K + k]]>``.
+
+    Args:
+        grad_out: ``(T, H)`` float, gradient at the MoE layer output.
+        y: ``(N, H)`` expert outputs in row order (same dtype as ``grad_out``).
+        pair_row: ``(T*K,)`` int32 (-1 gives 0).
+        top_k: K.
+
+    Returns:
+        ``(T, K)`` float32.
+    """
+    return _ops.routing_weight_grad(grad_out, y, pair_row, top_k)
+
+
+def score(grad_out: Tensor, weights: Tensor, phi_sq: Tensor, row_pair: Tensor,
+          metric: str = "lrm", seed: int = 0) -> Tensor:
+    """Backward priority of every routed pair, in row order, fp32.
+
+    ``lrm``: R_u = alpha_u^2 * ||g_t||^2 * ||phi_u||^2, the squared Frobenius norm of the
+    pair's rank-one contribution (alpha_u g_t) phi_u^T to dW_down (DESIGN.md section 1).
+    ``grad_sq``: ||g_t||^2. ``grad_abs``: ||g_t||_1. ``random``: uniform [0, 1) from a
+    counter-based hash of (seed, pair id) -- identical on CPU and CUDA.
+
+    Args:
+        grad_out: ``(T, H)`` float, g.
+        weights: ``(T, K)`` float routing weights alpha.
+        phi_sq: ``(P,)`` float32, ||phi||^2 per row (from :func:`swiglu`).
+        row_pair: ``(P,)`` int32 from :func:`permute`.
+        metric: one of ``lrm, grad_sq, grad_abs, random``.
+        seed: int, used by ``random`` only.
+
+    Returns:
+        ``(P,)`` float32.
+
+    Raises:
+        RuntimeError: unknown metric, shape/dtype/device mismatch.
+    """
+    return _ops.score(grad_out, weights, phi_sq, row_pair, metric, seed)
+
+
+def quota(tokens_per_expert: Tensor, recalibration_rate: float,
+          rule: str = "proportional") -> Tensor:
+    """Per-expert retention quota Q_e, computed on the tensor's device (no host sync).
+
+    ``proportional``: Q_e = (1 - c) n_e rounded by largest remainder (ties to the lower
+    expert) so that sum Q = floor((1 - c) sum n); [4, 2, 3] at c = 1/3 gives [3, 1, 2].
+    ``water_level``: Q_e = min(n_e, L) for the largest integer level L that keeps
+    sum Q <= floor((1 - c) sum n), the remainder given one each to the most loaded
+    experts above L. Both run the plain C++ of ``csrc/core/quota.h``.
+
+    Args:
+        tokens_per_expert: ``(E,)`` int32, n_e >= 0.
+        recalibration_rate: c in [0, 1).
+        rule: ``proportional`` or ``water_level``.
+
+    Returns:
+        ``(E,)`` int32 with ``0 <= Q_e <= n_e``.
+
+    Raises:
+        RuntimeError: c outside [0, 1), unknown rule, wrong dtype/rank.
+    """
+    return _ops.quota(tokens_per_expert, float(recalibration_rate), rule)
+
+
+def select(score: Tensor, row_pair: Tensor, offsets: Tensor, quota: Tensor, num_retained: int,
+           selection: str = "topk", seed: int = 0
+           ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Fill each expert's quota with its best pairs and compact the survivors.
+
+    ``topk``: per expert the Q_e highest scores, ties to the lower row (= lower pair id).
+    ``importance``: per expert, inclusion probabilities p_i = min(1, lambda_e s_i) with
+    sum_i p_i = Q_e, drawn by systematic sampling (exactly Q_e rows, each with marginal
+    probability p_i; Madow 1949), kept rows scaled by 1/p_i so the expert gradient is
+    unbiased. If an expert has at most Q_e positive scores, those get p = 1 and the
+    remaining slots are spread uniformly over its zero-score rows.
+
+    Args:
+        score: ``(P,)`` float32 in row order.
+        row_pair: ``(P,)`` int32 from :func:`permute`.
+        offsets: ``(E,)`` int32 inclusive ends from :func:`permute`.
+        quota: ``(E,)`` int32 from :func:`quota`, ``sum(quota) == num_retained``.
+        num_retained: R, host int (``floor((1 - c) P)``), so no output size needs a sync.
+        selection: ``topk`` or ``importance``.
+        seed: int, used by ``importance``.
+
+    Returns:
+        ``kept_rows`` (R,) int32 ascending (so experts stay contiguous and, at c = 0, the
+        buffers are bit-identical copies); ``kept_pair`` (R,) int32 = ``row_pair[kept_rows]``;
+        ``pair_kept`` (P,) int32 position in the kept buffer of each pair, -1 if dropped;
+        ``kept_offsets`` (E,) int32 inclusive ends (cumsum of quota); ``kept_scale`` (R,)
+        float32 (1 for ``topk``, 1/p for ``importance``); ``retained_mass`` () float32 =
+        sum of kept scores / sum of all scores (1 when all scores are 0).
+
+    Raises:
+        RuntimeError: shape/dtype/device mismatch, unknown selection, (CPU) quota sum
+        different from ``num_retained`` or a quota above its expert's load.
+    """
+    return _ops.select(score, row_pair, offsets, quota, num_retained, selection, seed)
+
+
+def swiglu(h: Tensor) -> Tuple[Tensor, Tensor]:
+    """SwiGLU activation with the LRM by-product.
+
+    Args:
+        h: ``(N, 2I)`` float, ``[gate | up]`` halves (the transformers ``gate_up_proj``
+            order).
+
+    Returns:
+        ``phi`` (N, I) of ``h.dtype`` = silu(gate) * up computed in fp32; ``phi_sq`` (N,)
+        float32 = ||phi||^2 of the stored (rounded) phi.
+    """
+    return _ops.swiglu(h)
+
+
+def swiglu_backward(grad_phi: Tensor, h: Tensor) -> Tensor:
+    """Gradient of :func:`swiglu` w.r.t. ``h``.
+
+    d gate = dphi * up * sigma(gate) * (1 + gate * (1 - sigma(gate))), d up = dphi *
+    silu(gate), in fp32.
+
+    Args:
+        grad_phi: ``(N, I)`` float.
+        h: ``(N, 2I)`` of the same dtype.
+
+    Returns:
+        ``(N, 2I)`` of ``h.dtype``.
+    """
+    return _ops.swiglu_backward(grad_phi, h)
+
+
+def grouped_mm(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
+    """Grouped GEMM seam with ``torch._grouped_mm`` semantics.
+
+    * ``a`` (M, K) 2-D, ``b`` (E, K, N) 3-D: rows of ``a`` in groups by ``offsets``,
+      ``out[rows of e] = a[rows of e] @ b[e]`` -> (M, N).
+    * ``a`` (M, Ktot) 2-D, ``b`` (Ktot, N) 2-D: groups along K (weight gradients),
+      ``out[e] = a[:, K of e] @ b[K of e]`` -> (E, M, N); empty groups give zeros.
+
+    On CUDA with bf16 inputs on sm90+ and 16-byte aligned shapes this is
+    ``torch._grouped_mm`` (CUTLASS, device offsets, no host sync); elsewhere a C++ loop of
+    ``at::mm`` per expert (which reads ``offsets`` on the host).
+
+    Args:
+        a, b: float tensors of one dtype and device; ``b`` may be a transposed view.
+        offsets: ``(E,)`` int32 inclusive ends, last <= the grouped dimension.
+
+    Returns:
+        the product, dtype of ``a``.
+    """
+    return _ops.grouped_mm(a, b, offsets)
+
+
+# ---------------------------------------------------------------------------------------
+# Fake kernels: shapes and dtypes only, for torch.compile / FakeTensor tracing.
+# ---------------------------------------------------------------------------------------
+_fake = torch.library.register_fake
+
+
+@_fake("lrmoe::permute")
+def _(expert_ids, num_experts):
+    p = expert_ids.numel()
+    i32 = dict(dtype=torch.int32, device=expert_ids.device)
+    return (expert_ids.new_empty(p, **i32), expert_ids.new_empty(p, **i32),
+            expert_ids.new_empty(num_experts, **i32), expert_ids.new_empty(num_experts, **i32))
+
+
+@_fake("lrmoe::gather_rows")
+def _(src, index, scale, divisor):
+    return src.new_empty(index.shape[0], src.shape[1])
+
+
+@_fake("lrmoe::combine")
+def _(y, pair_row, weights, top_k):
+    return y.new_empty(pair_row.shape[0] // top_k, y.shape[1])
+
+
+@_fake("lrmoe::routing_weight_grad")
+def _(grad_out, y, pair_row, top_k):
+    return grad_out.new_empty(pair_row.shape[0] // top_k, top_k, dtype=torch.float32)
+
+
+@_fake("lrmoe::score")
+def _(grad_out, weights, phi_sq, row_pair, metric, seed):
+    return phi_sq.new_empty(row_pair.shape[0], dtype=torch.float32)
+
+
+@_fake("lrmoe::quota")
+def _(tokens_per_expert, recalibration_rate, rule):
+    return tokens_per_expert.new_empty(tokens_per_expert.shape[0], dtype=torch.int32)
+
+
+@_fake("lrmoe::select")
+def _(score, row_pair, offsets, quota, num_retained, selection, seed):
+    i32 = dict(dtype=torch.int32)
+    return (row_pair.new_empty(num_retained, **i32), row_pair.new_empty(num_retained, **i32),
+            row_pair.new_empty(row_pair.shape[0], **i32), offsets.new_empty(offsets.shape[0], **i32),
+            score.new_empty(num_retained, dtype=torch.float32),
+            score.new_empty((), dtype=torch.float32))
+
+
+@_fake("lrmoe::swiglu")
+def _(h):
+    return h.new_empty(h.shape[0], h.shape[1] // 2), h.new_empty(h.shape[0], dtype=torch.float32)
+
+
+@_fake("lrmoe::swiglu_backward")
+def _(grad_phi, h):
+    return h.new_empty(h.shape)
+
+
+@_fake("lrmoe::grouped_mm")
+def _(a, b, offsets):
+    if b.dim() == 3:
+        return a.new_empty(a.shape[0], b.shape[2])
+    return a.new_empty(offsets.shape[0], a.shape[0], b.shape[1])

@@ -1,0 +1,55 @@
+"""Build of the lrmoe package and its compiled extension ``lrmoe._C``.
+
+The extension is always built for the CPU (csrc/ops/*.cpp). Where the installed
+torch is a CUDA build and nvcc is found, the CUDA kernels (csrc/ops/*.cu) are
+added, compiled for Hopper (sm_90a + sm_90) unless LRMOE_CUDA_ARCH names other
+``-gencode`` targets. Set LRMOE_CUDA=0 to force a CPU-only build, LRMOE_CUDA=1
+to fail loudly when CUDA cannot be built. MAX_JOBS bounds parallel compiles.
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+import torch
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _want_cuda() -> bool:
+    flag = os.environ.get("LRMOE_CUDA", "auto").lower()
+    possible = torch.version.cuda is not None and CUDA_HOME is not None
+    if flag in ("1", "true", "yes"):
+        if not possible:
+            raise RuntimeError(
+                "LRMOE_CUDA=1 but the installed torch has no CUDA "
+                f"(torch.version.cuda={torch.version.cuda}) or nvcc was not found "
+                f"(CUDA_HOME={CUDA_HOME}); install a CUDA build of torch or unset LRMOE_CUDA")
+        return True
+    if flag in ("0", "false", "no"):
+        return False
+    return possible
+
+
+def _extension():
+    cpp = sorted(glob.glob(os.path.join("csrc", "ops", "*.cpp")))
+    cxx = ["-O3", "-std=c++17"]
+    include = [os.path.join(ROOT, "csrc")]
+    if not _want_cuda():
+        return CppExtension("lrmoe._C", cpp, include_dirs=include,
+                            extra_compile_args={"cxx": cxx})
+    cu = sorted(glob.glob(os.path.join("csrc", "ops", "*.cu")))
+    arch = os.environ.get(
+        "LRMOE_CUDA_ARCH",
+        "-gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_90,code=sm_90").split()
+    nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", *arch]
+    return CUDAExtension("lrmoe._C", cpp + cu, include_dirs=include,
+                         define_macros=[("LRMOE_WITH_CUDA", "1")],
+                         extra_compile_args={"cxx": cxx, "nvcc": nvcc})
+
+
+setup(
+    packages=find_packages(include=["lrmoe", "lrmoe.*"]),
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)
