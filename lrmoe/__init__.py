@@ -1,2 +1,9 @@
-"""lrmoe: LRMoE Mixture-of-Experts training -- exact forward, planned (selective) backward."""
+"""lrmoe: LRMoE Mixture-of-Experts training -- exact forward, planned (selective) backward.
+
+Public API: :class:`LRMoEConfig`, :class:`LRMoELayer`, and the ops in :mod:`lrmoe.ops`.
+"""
+from lrmoe.config import LRMoEConfig
+from lrmoe.layer import LRMoELayer
+
 __version__ = "0.1.0"
+__all__ = ["LRMoEConfig", "LRMoELayer", "__version__"]

@@ -304,3 +304,13 @@ def _(a, b, offsets):
     if b.dim() == 3:
         return a.new_empty(a.shape[0], b.shape[2])
     return a.new_empty(offsets.shape[0], a.shape[0], b.shape[1])
+
+
+def retained_total(num_pairs: int, recalibration_rate: float) -> int:
+    """R = floor((1 - c) * num_pairs), the retained pair count that sizes every backward
+    buffer (``csrc/core/quota.h``; binary rounding just below an integer is forgiven).
+
+    Raises:
+        ValueError: ``num_pairs < 0`` or c outside [0, 1).
+    """
+    return _C.retained_total(int(num_pairs), float(recalibration_rate))

@@ -8,6 +8,8 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "core/quota.h"
+
 TORCH_LIBRARY(lrmoe, m) {
   // expert_ids (T, K) int32/int64 -> row_pair (P) int32, pair_row (P) int32,
   // tokens_per_expert (E) int32, offsets (E) int32 (inclusive ends).
@@ -35,8 +37,27 @@ TORCH_LIBRARY(lrmoe, m) {
   m.def("grouped_mm(Tensor a, Tensor b, Tensor offsets) -> Tensor");
 }
 
+// Host-side retained count R = floor((1 - c) * P), the one formula that sizes every
+// backward buffer; exposed so Python sizes them with the same C++ as the quotas.
+static PyObject* py_retained_total(PyObject*, PyObject* args) {
+  long long num_pairs = 0;
+  double rate = 0.0;
+  if (!PyArg_ParseTuple(args, "Ld", &num_pairs, &rate)) return nullptr;
+  if (num_pairs < 0 || !(rate >= 0.0 && rate < 1.0)) {
+    PyErr_SetString(PyExc_ValueError,
+                    "retained_total: num_pairs must be >= 0 and recalibration_rate in [0, 1)");
+    return nullptr;
+  }
+  return PyLong_FromLongLong(lrmoe::core::retained_total(num_pairs, rate));
+}
+
+static PyMethodDef methods[] = {
+    {"retained_total", py_retained_total, METH_VARARGS,
+     "retained_total(num_pairs, recalibration_rate) -> floor((1 - c) * num_pairs)"},
+    {nullptr, nullptr, 0, nullptr}};
+
 // `import lrmoe._C` loads this library, whose static initialisers register the ops.
 extern "C" PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   return PyModule_Create(&module_def);
 }

@@ -1,0 +1,99 @@
+"""Configuration of an LRMoE layer: the MoE architecture and the planned backward."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from lrmoe.ops import METRICS, QUOTA_RULES, SELECTIONS
+
+ROUTERS = ("softmax", "sigmoid")
+
+
+@dataclass
+class LRMoEConfig:
+    """Everything that defines one :class:`lrmoe.LRMoELayer`.
+
+    Architecture:
+        hidden_size: H, model width.
+        moe_intermediate_size: I, width of each SwiGLU expert.
+        num_experts: E routed experts.
+        top_k: K experts per token, ``1 <= K <= E``.
+        router: ``softmax`` (Qwen3/Mixtral: softmax over E, top-K, optional
+            renormalisation) or ``sigmoid`` (GLM-4.5/DeepSeek-V3: sigmoid scores, top-K of
+            score + expert bias, weights from the unbiased scores).
+        norm_topk_prob: renormalise the K selected weights to sum to 1.
+        routed_scaling_factor: multiplies the routing weights (GLM-4.5 uses 1.0 to 2.5).
+        shared_expert_intermediate_size: width of an always-on shared SwiGLU expert, 0 for
+            none.
+        shared_expert_gate: scale the shared expert by sigmoid(x w) (Qwen2-MoE style).
+        router_aux_loss_coef: weight of the load-balancing loss in ``layer.aux_loss``.
+        router_z_loss_coef: weight of the router z-loss in ``layer.aux_loss``.
+
+    Planned backward (LRMoE):
+        recalibration_rate: c in [0, 1), the share of routed pairs whose expert backward
+            is dropped (the paper's C10/C20/C30 are 0.1/0.2/0.3). 0 is exact training.
+        metric: pair score, ``lrm`` (alpha^2 ||g||^2 ||phi||^2), ``grad_sq``, ``grad_abs``
+            or ``random``.
+        quota_rule: ``proportional`` or ``water_level``.
+        selection: ``topk`` (deterministic best pairs) or ``importance`` (unbiased
+            sampling with 1/p rescaling).
+        seed: base seed of ``random`` and ``importance``; each backward adds its step.
+        selective_backward: False runs the plain exact backward without scoring or
+            selection (requires c = 0); c = 0 with True is bit-identical to it.
+
+    Raises:
+        ValueError: naming the field and the accepted values, on any invalid setting.
+    """
+
+    hidden_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    top_k: int
+    router: str = "softmax"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    router_aux_loss_coef: float = 1e-3
+    router_z_loss_coef: float = 0.0
+    recalibration_rate: float = 0.0
+    metric: str = "lrm"
+    quota_rule: str = "proportional"
+    selection: str = "topk"
+    seed: int = 0
+    selective_backward: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "moe_intermediate_size", "num_experts", "top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"LRMoEConfig.{name} must be a positive int, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"LRMoEConfig.top_k={self.top_k} exceeds num_experts={self.num_experts}; "
+                "choose 1 <= top_k <= num_experts")
+        c = self.recalibration_rate
+        if not isinstance(c, (int, float)) or not math.isfinite(c) or not 0.0 <= c < 1.0:
+            raise ValueError(
+                f"LRMoEConfig.recalibration_rate must be in [0, 1), got {c!r} "
+                "(0.1, 0.2, 0.3 are the paper's C10, C20, C30)")
+        for name, allowed in (("metric", METRICS), ("quota_rule", QUOTA_RULES),
+                              ("selection", SELECTIONS), ("router", ROUTERS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"LRMoEConfig.{name} must be one of {allowed}, "
+                                 f"got {getattr(self, name)!r}")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError("LRMoEConfig.shared_expert_intermediate_size must be >= 0 "
+                             f"(0 = no shared expert), got {self.shared_expert_intermediate_size}")
+        if not self.selective_backward and c != 0.0:
+            raise ValueError(
+                f"LRMoEConfig.selective_backward=False runs the exact backward, but "
+                f"recalibration_rate={c}; set recalibration_rate=0 or selective_backward=True")
+        if self.routed_scaling_factor <= 0 or not math.isfinite(self.routed_scaling_factor):
+            raise ValueError("LRMoEConfig.routed_scaling_factor must be a positive finite "
+                             f"float, got {self.routed_scaling_factor!r}")
+
+    def replace(self, **changes) -> "LRMoEConfig":
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)

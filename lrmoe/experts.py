@@ -1,0 +1,175 @@
+"""Routed SwiGLU experts: exact forward, planned (selective) backward.
+
+Legend: T tokens, K top_k, P = T*K routed pairs, E experts, H hidden size, I expert
+intermediate size, R = floor((1 - c) P) retained pairs. Rows are pairs in expert-sorted
+order (``lrmoe.ops.permute``).
+
+Forward (every pair, exact):  x_PH = x[token of row] -> h_P2I = x_PH W_gate_up[e]^T ->
+phi_PI, phi_sq_P = swiglu(h) -> y_PH = phi W_down[e]^T -> o_T = sum_k alpha y.
+
+Backward (DESIGN.md section 1): dalpha = <g_t, y_u> for every pair (exact router
+gradient); quota Q_E from the routed loads; score every pair; keep the best Q_e of each
+expert; gather only the kept rows into R-row buffers (G = alpha g, X, h), then grouped
+GEMMs dphi = G W_down, dW_down = G^T phi, swiglu backward, dW_gate_up = dH^T X,
+dX = dH W_gate_up, and dx_t = sum of the kept dX rows of token t.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch
+from torch import Tensor
+
+from lrmoe import ops
+from lrmoe.config import LRMoEConfig
+from lrmoe.ops import retained_total
+
+
+@dataclass
+class BackwardStats:
+    """Per-step diagnostics of one layer, written by the forward and the backward.
+
+    Tensors stay on the layer's device (reading them is the only sync); all are
+    refreshed every step.
+
+    Attributes:
+        tokens_per_expert_E: (E,) int32 routed pairs n_e (forward).
+        quota_E: (E,) int32 retention quotas Q_e (backward).
+        retained_mass: () float32, sum of kept scores / sum of all scores (backward).
+        num_pairs: P. num_retained: R (host ints).
+        buffer_bytes: bytes of the backward's expert buffers (all sized by R).
+        backward_steps: number of backwards run so far (also offsets the seed).
+    """
+
+    tokens_per_expert_E: Optional[Tensor] = None
+    quota_E: Optional[Tensor] = None
+    retained_mass: Optional[Tensor] = None
+    num_pairs: int = 0
+    num_retained: int = 0
+    buffer_bytes: int = 0
+    backward_steps: int = 0
+    buffers: Dict[str, tuple] = field(default_factory=dict)
+
+    def summary(self) -> Dict[str, object]:
+        """Host-side numbers of the last step (synchronises with the device).
+
+        Returns:
+            dict with ``tokens_per_expert`` and ``quota`` (lists of int), ``dropped_fraction``
+            (1 - R/P), ``retained_mass`` (float), ``load_max_over_mean_before`` (max n_e /
+            mean n_e), ``load_max_over_mean_after`` (max Q_e / mean Q_e), ``num_pairs``,
+            ``num_retained`` and ``backward_buffer_bytes``. Backward entries are None before
+            the first backward.
+        """
+        out: Dict[str, object] = {"num_pairs": self.num_pairs}
+        n = self.tokens_per_expert_E
+        out["tokens_per_expert"] = None if n is None else n.tolist()
+        out["load_max_over_mean_before"] = None if n is None else _max_over_mean(n)
+        q = self.quota_E
+        out["quota"] = None if q is None else q.tolist()
+        out["load_max_over_mean_after"] = None if q is None else _max_over_mean(q)
+        out["num_retained"] = self.num_retained if q is not None else None
+        out["dropped_fraction"] = (1.0 - self.num_retained / self.num_pairs
+                                   if q is not None and self.num_pairs else None)
+        out["retained_mass"] = (None if self.retained_mass is None
+                                else float(self.retained_mass))
+        out["backward_buffer_bytes"] = self.buffer_bytes if q is not None else None
+        return out
+
+
+def _max_over_mean(n_E: Tensor) -> float:
+    n = n_E.double()
+    mean = n.mean()
+    return float(n.max() / mean) if mean > 0 else 0.0
+
+
+class ExpertFunction(torch.autograd.Function):
+    """Autograd of the routed experts; see the module docstring for the data flow.
+
+    ``apply(x_TH, weights_TK, expert_ids_TK, w_gate_up_E2IH, w_down_EHI, config, stats)``
+
+    Args:
+        x_TH: (T, H) float (fp32/bf16/fp16/fp64).
+        weights_TK: (T, K) float32 routing weights (their gradient is exact).
+        expert_ids_TK: (T, K) int64/int32 selected experts.
+        w_gate_up_E2IH: (E, 2I, H) stacked [gate; up] weights, dtype of x.
+        w_down_EHI: (E, H, I) stacked down weights, dtype of x.
+        config: :class:`LRMoEConfig` (recalibration rate, metric, quota rule, selection).
+        stats: :class:`BackwardStats` that receives the diagnostics.
+
+    Returns:
+        o_TH: (T, H), dtype of x.
+    """
+
+    @staticmethod
+    def forward(ctx, x_TH, weights_TK, expert_ids_TK, w_gate_up_E2IH, w_down_EHI,
+                config: LRMoEConfig, stats: BackwardStats):
+        num_experts, top_k = w_gate_up_E2IH.shape[0], expert_ids_TK.shape[1]
+        row_pair_P, pair_row_P, tokens_per_expert_E, offsets_E = ops.permute(
+            expert_ids_TK, num_experts)
+        x_PH = ops.gather_rows(x_TH, row_pair_P, None, top_k)
+        h_P2I = ops.grouped_mm(x_PH, w_gate_up_E2IH.transpose(1, 2), offsets_E)
+        phi_PI, phi_sq_P = ops.swiglu(h_P2I)
+        y_PH = ops.grouped_mm(phi_PI, w_down_EHI.transpose(1, 2), offsets_E)
+        o_TH = ops.combine(y_PH, pair_row_P, weights_TK, top_k)
+
+        ctx.save_for_backward(x_TH, weights_TK, w_gate_up_E2IH, w_down_EHI, h_P2I, y_PH,
+                              phi_sq_P, row_pair_P, pair_row_P, tokens_per_expert_E,
+                              offsets_E)
+        ctx.config, ctx.stats, ctx.top_k = config, stats, top_k
+        stats.tokens_per_expert_E = tokens_per_expert_E
+        stats.num_pairs = row_pair_P.shape[0]
+        return o_TH
+
+    @staticmethod
+    def backward(ctx, grad_TH):
+        (x_TH, weights_TK, w_gate_up_E2IH, w_down_EHI, h_P2I, y_PH, phi_sq_P, row_pair_P,
+         pair_row_P, tokens_per_expert_E, offsets_E) = ctx.saved_tensors
+        cfg, stats, top_k = ctx.config, ctx.stats, ctx.top_k
+        g_TH = grad_TH.to(x_TH.dtype).contiguous()
+        num_pairs = row_pair_P.shape[0]
+
+        # exact for every pair: needs no expert backward
+        grad_weights_TK = ops.routing_weight_grad(g_TH, y_PH, pair_row_P, top_k)
+
+        alpha_P = weights_TK.detach().reshape(-1).float()
+        if cfg.selective_backward:
+            num_retained = retained_total(num_pairs, cfg.recalibration_rate)
+            seed = cfg.seed + stats.backward_steps
+            quota_E = ops.quota(tokens_per_expert_E, cfg.recalibration_rate, cfg.quota_rule)
+            score_P = ops.score(g_TH, weights_TK.detach(), phi_sq_P, row_pair_P, cfg.metric,
+                                seed)
+            kept_rows_R, kept_pair_R, pair_kept_P, kept_offsets_E, kept_scale_R, mass = (
+                ops.select(score_P, row_pair_P, offsets_E, quota_E, num_retained,
+                           cfg.selection, seed))
+            scale_R = alpha_P.index_select(0, kept_pair_R) * kept_scale_R
+            h_R2I = ops.gather_rows(h_P2I, kept_rows_R, None, 1)
+            stats.quota_E, stats.retained_mass = quota_E, mass
+        else:
+            num_retained = num_pairs
+            kept_pair_R, pair_kept_P, kept_offsets_E = row_pair_P, pair_row_P, offsets_E
+            scale_R = alpha_P.index_select(0, row_pair_P)
+            h_R2I = h_P2I
+            stats.quota_E, stats.retained_mass = tokens_per_expert_E, None
+        stats.num_retained = num_retained
+        stats.backward_steps += 1
+
+        # compacted buffers: every one has R rows
+        G_RH = ops.gather_rows(g_TH, kept_pair_R, scale_R, top_k)
+        X_RH = ops.gather_rows(x_TH, kept_pair_R, None, top_k)
+        phi_RI, _ = ops.swiglu(h_R2I)
+        dphi_RI = ops.grouped_mm(G_RH, w_down_EHI, kept_offsets_E)
+        grad_w_down_EHI = ops.grouped_mm(G_RH.t(), phi_RI, kept_offsets_E)
+        dh_R2I = ops.swiglu_backward(dphi_RI, h_R2I)
+        grad_w_gate_up_E2IH = ops.grouped_mm(dh_R2I.t(), X_RH, kept_offsets_E)
+        dx_RH = ops.grouped_mm(dh_R2I, w_gate_up_E2IH, kept_offsets_E)
+        grad_x_TH = ops.combine(dx_RH, pair_kept_P, None, top_k)
+
+        buffers = {"G": G_RH, "X": X_RH, "h": h_R2I, "phi": phi_RI, "dphi": dphi_RI,
+                   "dh": dh_R2I, "dx": dx_RH}
+        stats.buffers = {k: tuple(v.shape) for k, v in buffers.items()}
+        # h_R2I is the saved forward tensor itself when selection is off: not a new buffer
+        stats.buffer_bytes = sum(v.numel() * v.element_size() for k, v in buffers.items()
+                                 if not (k == "h" and v is h_P2I))
+        return (grad_x_TH.to(x_TH.dtype), grad_weights_TK.to(weights_TK.dtype), None,
+                grad_w_gate_up_E2IH, grad_w_down_EHI, None, None)

@@ -1,0 +1,123 @@
+"""Top-k router with fp32 math, load-balancing loss and z-loss.
+
+Legend: T tokens, H hidden size, E experts, K top_k.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lrmoe.config import LRMoEConfig
+
+
+@dataclass
+class Routing:
+    """Result of :class:`Router` for T tokens.
+
+    Attributes:
+        logits_TE: (T, E) float32 router logits.
+        weights_TK: (T, K) float32 routing weights alpha (after renormalisation/scaling).
+        expert_ids_TK: (T, K) int64 selected experts, in decreasing selection score.
+        probs_TE: (T, E) float32 router probabilities used by the load-balancing loss.
+    """
+
+    logits_TE: Tensor
+    weights_TK: Tensor
+    expert_ids_TK: Tensor
+    probs_TE: Tensor
+
+
+def load_balancing_loss(probs_TE: Tensor, expert_ids_TK: Tensor) -> Tensor:
+    """Switch-style auxiliary loss, generalised to top-k as transformers computes it.
+
+    L_aux = E * sum_e f_e * P_e with f_e = n_e / T (routed pairs of expert e per token,
+    summed over the K slots) and P_e = mean_t probs[t, e]. Fedus et al., "Switch
+    Transformers", JMLR 2022, eq. 4; transformers ``load_balancing_loss_func``.
+    Equals K for perfectly uniform routing with uniform probabilities.
+
+    Args:
+        probs_TE: (T, E) float32 probabilities (differentiable).
+        expert_ids_TK: (T, K) int64 selected experts.
+
+    Returns:
+        () float32 scalar.
+    """
+    num_tokens, num_experts = probs_TE.shape
+    counts_E = torch.zeros(num_experts, dtype=torch.float32, device=probs_TE.device)
+    counts_E.scatter_add_(0, expert_ids_TK.reshape(-1),
+                          torch.ones(expert_ids_TK.numel(), device=probs_TE.device))
+    return num_experts * torch.sum(counts_E / max(num_tokens, 1) * probs_TE.mean(dim=0))
+
+
+def router_z_loss(logits_TE: Tensor) -> Tensor:
+    """Router z-loss, mean_t (logsumexp_e logits[t, e])^2.
+
+    Zoph et al., "ST-MoE: Designing Stable and Transferable Sparse Expert Models", 2022,
+    eq. 5. Args: logits_TE (T, E) float32. Returns: () float32.
+    """
+    return torch.logsumexp(logits_TE, dim=-1).square().mean()
+
+
+class Router(nn.Module):
+    """Linear router ``logits = x W^T`` in fp32, then top-k.
+
+    Parameters mirror transformers: ``weight`` (E, H) like ``Qwen3MoeTopKRouter.weight``,
+    and for the sigmoid router the buffer ``e_score_correction_bias`` (E,) like
+    ``Glm4MoeTopkRouter``, which steers selection only.
+
+    Args:
+        config: the layer config (router kind, top_k, norm_topk_prob, scaling).
+    """
+
+    def __init__(self, config: LRMoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        nn.init.normal_(self.weight, std=0.02)
+        if config.router == "sigmoid":
+            self.register_buffer("e_score_correction_bias",
+                                 torch.zeros(config.num_experts, dtype=torch.float32))
+
+    def forward(self, x_TH: Tensor) -> Routing:
+        """Route T tokens.
+
+        Args:
+            x_TH: (T, H) float tensor.
+
+        Returns:
+            :class:`Routing`.
+
+        Raises:
+            ValueError: (CPU) non-finite router logits; on CUDA the same check is a
+                device-side assertion, so the forward never waits for the device.
+        """
+        cfg = self.config
+        with torch.autocast(device_type=x_TH.device.type, enabled=False):
+            logits_TE = F.linear(x_TH.float(), self.weight.float())
+            _check_finite(logits_TE)
+            if cfg.router == "softmax":
+                probs_TE = torch.softmax(logits_TE, dim=-1)
+                weights_TK, expert_ids_TK = torch.topk(probs_TE, cfg.top_k, dim=-1)
+            else:
+                scores_TE = torch.sigmoid(logits_TE)
+                choice_TE = scores_TE.detach() + self.e_score_correction_bias
+                expert_ids_TK = torch.topk(choice_TE, cfg.top_k, dim=-1).indices
+                weights_TK = scores_TE.gather(1, expert_ids_TK)
+                probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+            if cfg.norm_topk_prob:
+                weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+            if cfg.routed_scaling_factor != 1.0:
+                weights_TK = weights_TK * cfg.routed_scaling_factor
+        return Routing(logits_TE, weights_TK, expert_ids_TK, probs_TE)
+
+
+def _check_finite(logits_TE: Tensor) -> None:
+    message = ("lrmoe: router logits contain NaN or inf; the layer input or the router "
+               "weight is not finite (check the learning rate, loss scaling and the data)")
+    if logits_TE.device.type == "cuda":
+        torch._assert_async(torch.isfinite(logits_TE).all(), message)
+    elif not bool(torch.isfinite(logits_TE).all()):
+        raise ValueError(message)
