@@ -139,9 +139,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const int32_t* off = offsets_E.data_ptr<int32_t>();
   const int32_t* q = quota_E.data_ptr<int32_t>();
 
-  for (int64_t r = 0; r < P; ++r)
+  std::vector<char> seen(P, 0);  // pair_kept is an inverse: row_pair must be a permutation
+  for (int64_t r = 0; r < P; ++r) {
     LRMOE_CHECK(rp[r] >= 0 && rp[r] < P, "row_pair[", r, "] = ", rp[r], " is outside [0, ", P,
                 "); pass the row_pair returned by permute");
+    LRMOE_CHECK(!seen[rp[r]], "row_pair must be a permutation of [0, ", P, "); pair ", rp[r],
+                " appears twice (second at row ", r, ")");
+    seen[rp[r]] = 1;
+  }
   int64_t prev = 0, quota_sum = 0;
   for (int64_t e = 0; e < E; ++e) {
     LRMOE_CHECK(off[e] >= prev, "offsets must be non-decreasing inclusive ends starting at >= 0; "

@@ -20,6 +20,8 @@
 //             glitches so exactly Q_e distinct rows are kept.
 // Then retained_mass by one block (fixed reduction tree, double).
 //
+// Scores: NaN ranks below every number for topk and weighs 0 for importance,
+// as do negatives; +inf weighs FLT_MAX; retained_mass propagates NaN.
 // Integer scans and the sort are exact; all float sums run in a fixed order:
 // results are deterministic and equal to the CPU kernel's. Inconsistent inputs
 // (sum(quota) != num_retained, bad offsets), which only the CPU path can

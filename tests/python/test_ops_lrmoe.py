@@ -460,6 +460,10 @@ def test_select_bad_inputs():
         ops.select(score.double(), rp, off, q, 3, "topk")
     with pytest.raises(RuntimeError, match="row_pair"):
         ops.select(score, rp[:5], off, q, 3, "topk")
+    with pytest.raises(RuntimeError, match="permutation"):
+        ops.select(score, torch.tensor([0, 1, 2, 2, 4, 5], dtype=I32), off, q, 3, "topk")
+    with pytest.raises(RuntimeError, match=r"row_pair\[2\]"):
+        ops.select(score, torch.tensor([0, 1, 6, 3, 4, 5], dtype=I32), off, q, 3, "topk")
 
 
 # --------------------------------------------------------------------------- grouped_mm
