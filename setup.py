@@ -14,6 +14,8 @@ from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, C
 import torch
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+# torch >= 2.14 headers need C++20; older ones accept it too.
+STD = "-std=c++20"
 
 
 def _want_cuda() -> bool:
@@ -33,7 +35,7 @@ def _want_cuda() -> bool:
 
 def _extension():
     cpp = sorted(glob.glob(os.path.join("csrc", "ops", "*.cpp")))
-    cxx = ["-O3", "-std=c++17"]
+    cxx = ["-O3", STD]
     include = [os.path.join(ROOT, "csrc")]
     if not _want_cuda():
         return CppExtension("lrmoe._C", cpp, include_dirs=include,
@@ -42,14 +44,30 @@ def _extension():
     arch = os.environ.get(
         "LRMOE_CUDA_ARCH",
         "-gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_90,code=sm_90").split()
-    nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", *arch]
+    nvcc = ["-O3", STD, "--expt-relaxed-constexpr", "-lineinfo", *arch]
     return CUDAExtension("lrmoe._C", cpp + cu, include_dirs=include,
                          define_macros=[("LRMOE_WITH_CUDA", "1")],
                          extra_compile_args={"cxx": cxx, "nvcc": nvcc})
 
 
+class _BuildExt(BuildExtension):
+    """Object names keep the source suffix (x.cpp -> x_cpp.o, x.cu -> x_cu.o): an op's
+    CPU and CUDA files share a stem, and ninja refuses two rules for one object."""
+
+    def build_extensions(self):
+        plain = self.compiler.object_filenames
+
+        def object_filenames(sources, strip_dir=0, output_dir=""):
+            objs = plain(sources, strip_dir, output_dir)
+            return [f"{os.path.splitext(o)[0]}_{os.path.splitext(s)[1].lstrip('.')}"
+                    f"{os.path.splitext(o)[1]}" for s, o in zip(sources, objs)]
+
+        self.compiler.object_filenames = object_filenames
+        super().build_extensions()
+
+
 setup(
     packages=find_packages(include=["lrmoe", "lrmoe.*"]),
     ext_modules=[_extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": _BuildExt.with_options(use_ninja=True)},
 )
