@@ -37,15 +37,19 @@ def _extension():
     cpp = sorted(glob.glob(os.path.join("csrc", "ops", "*.cpp")))
     cxx = ["-O3", STD]
     include = [os.path.join(ROOT, "csrc")]
+    # setuptools rebuilds only when a listed file is newer than the .so; ninja then
+    # recompiles just the objects whose sources or headers changed.
+    depends = sorted(glob.glob(os.path.join("csrc", "**", "*.h"), recursive=True)
+                     + glob.glob(os.path.join("csrc", "**", "*.cuh"), recursive=True))
     if not _want_cuda():
-        return CppExtension("lrmoe._C", cpp, include_dirs=include,
+        return CppExtension("lrmoe._C", cpp, include_dirs=include, depends=depends,
                             extra_compile_args={"cxx": cxx})
     cu = sorted(glob.glob(os.path.join("csrc", "ops", "*.cu")))
     arch = os.environ.get(
         "LRMOE_CUDA_ARCH",
         "-gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_90,code=sm_90").split()
     nvcc = ["-O3", STD, "--expt-relaxed-constexpr", "-lineinfo", *arch]
-    return CUDAExtension("lrmoe._C", cpp + cu, include_dirs=include,
+    return CUDAExtension("lrmoe._C", cpp + cu, include_dirs=include, depends=depends,
                          define_macros=[("LRMOE_WITH_CUDA", "1")],
                          extra_compile_args={"cxx": cxx, "nvcc": nvcc})
 

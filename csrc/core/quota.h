@@ -9,7 +9,7 @@
 // Source: docs/algorithm.md and ../shared/DESIGN.md section 1 ("Quotas").
 #pragma once
 
-#include <cmath>
+#include <math.h>  // llrint, ldexp: host and device (CUDA math API)
 #include <cstdint>
 
 #if defined(__CUDACC__)
@@ -23,44 +23,85 @@ namespace core {
 
 enum class QuotaRule : int { kProportional = 0, kWaterLevel = 1 };
 
-// floor(x) that forgives binary rounding just below an integer:
-// (1 - 1/3) * 9 is 5.999999999999999 in double, and must count as 6.
-LRMOE_HD inline int64_t robust_floor(double x) {
-  return static_cast<int64_t>(std::floor(x + 1e-9 * (1.0 + std::fabs(x))));
+// The rate c as an exact fraction p/q, so that every quota below is integer
+// arithmetic: exact ties (a double (1 - c) * n_e puts equal rational
+// remainders in an order set by rounding, which an FMA-contracting compiler
+// may change on the device), and floor((1 - c) N) that is right for any N.
+// Definition (reproducible in Python):
+//   Fraction(round(c * 2**60), 2**60).limit_denominator(2**20)
+// i.e. the fraction nearest to c with q <= 2^20 (ties to the convergent), so a
+// rate written with at most 6 decimals, or 1/3, is taken exactly as meant.
+constexpr int64_t kMaxRateDenominator = int64_t(1) << 20;
+
+struct RateFraction {
+  int64_t p;  // 0 <= p <= q
+  int64_t q;  // 1 <= q <= kMaxRateDenominator
+};
+
+// Continued fractions on c ~ n / 2^60, following CPython's
+// Fraction.limit_denominator step for step. c outside [0, 1) is clamped.
+LRMOE_HD inline RateFraction rate_fraction(double recalibration_rate) {
+  if (!(recalibration_rate > 0.0)) return {0, 1};  // also NaN (ops reject it earlier)
+  if (recalibration_rate >= 1.0) return {1, 1};
+  const uint64_t kMax = static_cast<uint64_t>(kMaxRateDenominator);
+  // c * 2^60 is exact; llrint rounds half to even like Python's round.
+  uint64_t n = static_cast<uint64_t>(llrint(ldexp(recalibration_rate, 60)));
+  uint64_t d = uint64_t(1) << 60;
+  if (n == 0) return {0, 1};
+  while ((n & 1u) == 0 && d > 1) { n >>= 1; d >>= 1; }  // lowest terms (d is 2^m)
+  if (d <= kMax) return {static_cast<int64_t>(n), static_cast<int64_t>(d)};
+  const uint64_t den = d;
+  uint64_t p0 = 0, q0 = 1, p1 = 1, q1 = 0;
+  while (d != 0) {  // d never reaches 0 here: the last convergent has q = den > kMax
+    const uint64_t a = n / d;
+    if (q1 != 0 && a > (kMax - q0) / q1) break;  // next q = q0 + a q1 > kMax (no overflow)
+    const uint64_t q2 = q0 + a * q1;
+    if (q2 > kMax) break;
+    const uint64_t p2 = p0 + a * p1;
+    p0 = p1; q0 = q1; p1 = p2; q1 = q2;
+    const uint64_t r = n - a * d;
+    n = d; d = r;
+  }
+  // Closest of the convergent p1/q1 and the semiconvergent (p0 + k p1)/(q0 + k q1):
+  // CPython's test 2 d (q0 + k q1) <= den, written as d <= (den / 2) / q_semi
+  // (den is a power of two >= 2^21) to stay inside 64 bits.
+  const uint64_t k = (kMax - q0) / q1;
+  const uint64_t q_semi = q0 + k * q1;
+  if (d <= (den / 2) / q_semi) return {static_cast<int64_t>(p1), static_cast<int64_t>(q1)};
+  return {static_cast<int64_t>(p0 + k * p1), static_cast<int64_t>(q_semi)};
 }
 
-// Total number of retained pairs: floor((1 - c) * N). Known on the host from
-// N = T * top_k alone, which is why retained buffers need no host sync.
+// Total number of retained pairs: floor((1 - c) * N), c as rate_fraction(c).
+// Known on the host from N = T * top_k alone, which is why retained buffers
+// need no host sync. Exact for N < 2^43.
 LRMOE_HD inline int64_t retained_total(int64_t num_pairs, double recalibration_rate) {
-  const int64_t r = robust_floor((1.0 - recalibration_rate) * static_cast<double>(num_pairs));
-  return r < 0 ? 0 : (r > num_pairs ? num_pairs : r);
+  if (num_pairs <= 0) return 0;
+  const RateFraction c = rate_fraction(recalibration_rate);
+  return (c.q - c.p) * num_pairs / c.q;
 }
 
 // Proportional rule: Q_e = (1 - c) * n_e rounded by largest remainder so that
-// sum(Q) = floor((1 - c) * N). Remainder ties go to the lower expert index.
+// sum(Q) = floor((1 - c) * N). Remainders are the exact integers
+// ((q - p) n_e) mod q; ties go to the lower expert index.
 // O(E) per expert, so one expert per thread on the device.
 LRMOE_HD inline int64_t proportional_quota(int64_t e, const int32_t* n_E, int64_t E,
                                            double recalibration_rate) {
-  const double keep = 1.0 - recalibration_rate;
+  const RateFraction c = rate_fraction(recalibration_rate);
+  const int64_t keep = c.q - c.p;  // (1 - c) = keep / q
   int64_t total_pairs = 0, base_sum = 0;
   for (int64_t j = 0; j < E; ++j) {
     total_pairs += n_E[j];
-    const int64_t b = robust_floor(keep * n_E[j]);
-    base_sum += b < n_E[j] ? b : n_E[j];
+    base_sum += keep * n_E[j] / c.q;
   }
-  const int64_t extra = retained_total(total_pairs, recalibration_rate) - base_sum;
-  int64_t base_e = robust_floor(keep * n_E[e]);
-  if (base_e > n_E[e]) base_e = n_E[e];
-  if (base_e >= n_E[e]) return base_e;  // nothing left to round up
-  const double rem_e = keep * n_E[e] - static_cast<double>(base_e);
-  // rank of e among experts that can still take one more pair, by remainder
-  // descending, then index ascending
+  const int64_t extra = keep * total_pairs / c.q - base_sum;  // < #experts with rem > 0
+  const int64_t base_e = keep * n_E[e] / c.q;
+  const int64_t rem_e = keep * n_E[e] % c.q;
+  if (rem_e == 0) return base_e;  // exact share (also n_e = 0 and c = 0)
+  // rank of e by remainder descending, then index ascending
   int64_t rank = 0;
   for (int64_t j = 0; j < E; ++j) {
-    int64_t b = robust_floor(keep * n_E[j]);
-    if (b > n_E[j]) b = n_E[j];
-    if (b >= n_E[j] || j == e) continue;
-    const double rem_j = keep * n_E[j] - static_cast<double>(b);
+    if (j == e) continue;
+    const int64_t rem_j = keep * n_E[j] % c.q;
     if (rem_j > rem_e || (rem_j == rem_e && j < e)) ++rank;
   }
   return base_e + (rank < extra ? 1 : 0);
