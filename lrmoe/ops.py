@@ -308,7 +308,10 @@ def _(a, b, offsets):
 
 def retained_total(num_pairs: int, recalibration_rate: float) -> int:
     """R = floor((1 - c) * num_pairs), the retained pair count that sizes every backward
-    buffer (``csrc/core/quota.h``; binary rounding just below an integer is forgiven).
+    buffer, in exact integer arithmetic (``csrc/core/quota.h``): c is taken as the fraction
+    nearest to it with denominator <= 2**20, i.e. in Python
+    ``Fraction(round(c * 2**60), 2**60).limit_denominator(2**20)``, so 0.3 and 1/3 are
+    exact.
 
     Raises:
         ValueError: ``num_pairs < 0`` or c outside [0, 1).

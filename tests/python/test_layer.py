@@ -35,10 +35,10 @@ def make_case(T, H, I, E, K, seed, dtype=torch.float32, skew=0.0):
 def run_lrmoe(case, cfg):
     """ExpertFunction forward + backward with a fixed upstream gradient."""
     dt = case["dtype"]
-    x = case["x"].to(dt).requires_grad_()
-    w = case["weights"].float().requires_grad_()
-    w_gu = case["w_gu"].to(dt).requires_grad_()
-    w_d = case["w_d"].to(dt).requires_grad_()
+    x = case["x"].to(dt, copy=True).requires_grad_()
+    w = case["weights"].to(torch.float32, copy=True).requires_grad_()
+    w_gu = case["w_gu"].to(dt, copy=True).requires_grad_()
+    w_d = case["w_d"].to(dt, copy=True).requires_grad_()
     stats = BackwardStats()
     out = ExpertFunction.apply(x, w, case["ids"], w_gu, w_d, cfg, stats)
     out.backward(case["grad"].to(dt))
