@@ -1,0 +1,92 @@
+// gather_rows, CUDA: out_RC[r] = scale_R[r] * src_NC[index_R[r] / divisor].
+//
+// Legend: N source rows, C columns, R gathered rows.
+// One warp per output row (grid-stride over rows); 16-byte vector loads/stores
+// when C * itemsize and both base pointers allow, scalar otherwise. The scale is
+// applied in fp32 (fp64 for double), then rounded to src.dtype -- as on the CPU.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+
+#include "gather_rows.h"
+#include "rows.cuh"
+
+namespace lrmoe {
+namespace {
+
+using namespace lrmoe::cuda;
+
+template <typename scalar_t, int VEC>
+__global__ void __launch_bounds__(kRowThreads)
+gather_rows_kernel(const scalar_t* __restrict__ src_NC, const int32_t* __restrict__ index_R,
+                   const float* __restrict__ scale_R, scalar_t* __restrict__ out_RC, int64_t N,
+                   int64_t C, int64_t R, int64_t divisor) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  using V = Vec<scalar_t, VEC>;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t nvec = C / VEC;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarp; r < R;
+       r += static_cast<int64_t>(gridDim.x) * kRowWarps) {
+    const int64_t i = index_R[r];
+    const int64_t n = i / divisor;
+    CUDA_KERNEL_ASSERT(i >= 0 && n < N && "gather_rows: index out of range");
+    if (i < 0 || n >= N) continue;
+    const V* in = reinterpret_cast<const V*>(src_NC + n * C);
+    V* out = reinterpret_cast<V*>(out_RC + r * C);
+    if (scale_R == nullptr) {
+      for (int64_t v = lane; v < nvec; v += kWarp) out[v] = in[v];
+    } else {
+      const opmath_t f = static_cast<opmath_t>(scale_R[r]);
+      for (int64_t v = lane; v < nvec; v += kWarp) {
+        V x = in[v];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j)
+          x.v[j] = static_cast<scalar_t>(f * static_cast<opmath_t>(x.v[j]));
+        out[v] = x;
+      }
+    }
+  }
+}
+
+at::Tensor gather_rows_cuda(const at::Tensor& src, const at::Tensor& index,
+                            const std::optional<at::Tensor>& scale, int64_t divisor) {
+  check_gather_rows_args(src, index, scale, divisor);
+  const c10::cuda::CUDAGuard guard(src.device());
+  const at::Tensor src_NC = src.contiguous();
+  const at::Tensor index_R = index.contiguous();
+  const int64_t N = src_NC.size(0), C = src_NC.size(1), R = index_R.size(0);
+  at::Tensor out_RC = at::empty({R, C}, src_NC.options());
+  if (R == 0 || C == 0) return out_RC;
+  const at::Tensor scale_R = scale.has_value() ? scale->contiguous() : at::Tensor();
+  const float* sc = scale_R.defined() ? scale_R.const_data_ptr<float>() : nullptr;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src_NC.scalar_type(),
+                                  "lrmoe_gather_rows_cuda", [&] {
+    const scalar_t* s = src_NC.const_data_ptr<scalar_t>();
+    scalar_t* o = out_RC.data_ptr<scalar_t>();
+    const int32_t* idx = index_R.const_data_ptr<int32_t>();
+    constexpr int kVec = 16 / sizeof(scalar_t);
+    if (vec_width<scalar_t>(C, {s, o}) == kVec) {
+      gather_rows_kernel<scalar_t, kVec><<<row_blocks(R), kRowThreads, 0, stream>>>(
+          s, idx, sc, o, N, C, R, divisor);
+    } else {
+      gather_rows_kernel<scalar_t, 1><<<row_blocks(R), kRowThreads, 0, stream>>>(
+          s, idx, sc, o, N, C, R, divisor);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out_RC;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(lrmoe, CUDA, m) { m.impl("gather_rows", &gather_rows_cuda); }
+
+}  // namespace lrmoe

@@ -1,0 +1,32 @@
+// Shared argument checks for the row-movement ops (gather_rows, combine,
+// routing_weight_grad, swiglu): light headers only, used by .cpp and .cu alike.
+//
+// Legend: N rows of a row-major activation buffer, C/H columns.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "common.h"
+
+namespace lrmoe {
+
+// The four dtypes every float kernel is dispatched for; anything else (float8,
+// complex) gets a message naming the argument instead of a dispatch error.
+inline void check_float_dtype(const at::Tensor& t, const char* name) {
+  const auto st = t.scalar_type();
+  LRMOE_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf || st == at::kDouble,
+              name, " must be float32, bfloat16, float16 or float64, got ", st,
+              "; convert with .to(torch.bfloat16) or .float()");
+}
+
+// pair_row (P,) int32 and top_k must describe P = T * K pairs.
+inline void check_pair_row(const at::Tensor& pair_row_P, int64_t top_k) {
+  check_dim(pair_row_P, 1, "pair_row");
+  check_int32(pair_row_P, "pair_row");
+  LRMOE_CHECK(top_k >= 1, "top_k must be >= 1, got ", top_k);
+  LRMOE_CHECK(pair_row_P.numel() % top_k == 0, "top_k (", top_k,
+              ") must divide pair_row.numel() (", pair_row_P.numel(),
+              "); pass the flattened (T, K) pair_row from permute and its K");
+}
+
+}  // namespace lrmoe

@@ -1,0 +1,152 @@
+// swiglu / swiglu_backward, CUDA.
+//
+// Legend: N rows, I expert intermediate size; h_N2I = [gate | up],
+// phi_NI = silu(gate) * up (fp32 math, rounded to h.dtype), phi_sq_N = sum of
+// squares of the rounded phi, grad_h_N2I = [d gate | d up].
+// One warp per row; lanes take 16-byte vectors of the gate and up halves (both
+// aligned when I * itemsize is a multiple of 16), scalar otherwise. phi_sq is a
+// fixed butterfly reduction: deterministic, order differs from the CPU loop.
+// The formulas are the ones in swiglu.h, shared with the CPU kernel.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "rows.cuh"
+#include "swiglu.h"
+
+namespace lrmoe {
+namespace {
+
+using namespace lrmoe::cuda;
+
+template <typename scalar_t, int VEC>
+__global__ void __launch_bounds__(kRowThreads)
+swiglu_kernel(const scalar_t* __restrict__ h_N2I, scalar_t* __restrict__ phi_NI,
+              float* __restrict__ phi_sq_N, int64_t N, int64_t I) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  using V = Vec<scalar_t, VEC>;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t nvec = I / VEC;
+  for (int64_t n = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarp; n < N;
+       n += static_cast<int64_t>(gridDim.x) * kRowWarps) {
+    const V* gate = reinterpret_cast<const V*>(h_N2I + n * 2 * I);
+    const V* up = reinterpret_cast<const V*>(h_N2I + n * 2 * I + I);
+    V* phi = reinterpret_cast<V*>(phi_NI + n * I);
+    opmath_t acc = 0;
+    for (int64_t v = lane; v < nvec; v += kWarp) {
+      const V g = gate[v], u = up[v];
+      V o;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        o.v[j] = static_cast<scalar_t>(
+            swiglu_phi(static_cast<opmath_t>(g.v[j]), static_cast<opmath_t>(u.v[j])));
+        const opmath_t x = static_cast<opmath_t>(o.v[j]);
+        acc += x * x;
+      }
+      phi[v] = o;
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) phi_sq_N[n] = static_cast<float>(acc);
+  }
+}
+
+template <typename scalar_t, int VEC>
+__global__ void __launch_bounds__(kRowThreads)
+swiglu_backward_kernel(const scalar_t* __restrict__ dphi_NI, const scalar_t* __restrict__ h_N2I,
+                       scalar_t* __restrict__ grad_h_N2I, int64_t N, int64_t I) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  using V = Vec<scalar_t, VEC>;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t nvec = I / VEC;
+  for (int64_t n = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarp; n < N;
+       n += static_cast<int64_t>(gridDim.x) * kRowWarps) {
+    const V* gate = reinterpret_cast<const V*>(h_N2I + n * 2 * I);
+    const V* up = reinterpret_cast<const V*>(h_N2I + n * 2 * I + I);
+    const V* dphi = reinterpret_cast<const V*>(dphi_NI + n * I);
+    V* dgate = reinterpret_cast<V*>(grad_h_N2I + n * 2 * I);
+    V* dup = reinterpret_cast<V*>(grad_h_N2I + n * 2 * I + I);
+    for (int64_t v = lane; v < nvec; v += kWarp) {
+      const V g = gate[v], u = up[v], d = dphi[v];
+      V dg, du;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        opmath_t a, b;
+        swiglu_grad(static_cast<opmath_t>(d.v[j]), static_cast<opmath_t>(g.v[j]),
+                    static_cast<opmath_t>(u.v[j]), a, b);
+        dg.v[j] = static_cast<scalar_t>(a);
+        du.v[j] = static_cast<scalar_t>(b);
+      }
+      dgate[v] = dg;
+      dup[v] = du;
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> swiglu_cuda(const at::Tensor& h) {
+  check_swiglu_args(h);
+  const c10::cuda::CUDAGuard guard(h.device());
+  const at::Tensor h_N2I = h.contiguous();
+  const int64_t N = h_N2I.size(0), I = h_N2I.size(1) / 2;
+  at::Tensor phi_NI = at::empty({N, I}, h_N2I.options());
+  at::Tensor phi_sq_N = at::empty({N}, h_N2I.options().dtype(at::kFloat));
+  if (N == 0) return {phi_NI, phi_sq_N};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h_N2I.scalar_type(),
+                                  "lrmoe_swiglu_cuda", [&] {
+    const scalar_t* hp = h_N2I.const_data_ptr<scalar_t>();
+    scalar_t* pp = phi_NI.data_ptr<scalar_t>();
+    float* sq = phi_sq_N.data_ptr<float>();
+    constexpr int kVec = 16 / sizeof(scalar_t);
+    if (vec_width<scalar_t>(I, {hp, pp}) == kVec) {
+      swiglu_kernel<scalar_t, kVec><<<row_blocks(N), kRowThreads, 0, stream>>>(hp, pp, sq, N, I);
+    } else {
+      swiglu_kernel<scalar_t, 1><<<row_blocks(N), kRowThreads, 0, stream>>>(hp, pp, sq, N, I);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {phi_NI, phi_sq_N};
+}
+
+at::Tensor swiglu_backward_cuda(const at::Tensor& grad_phi, const at::Tensor& h) {
+  check_swiglu_backward_args(grad_phi, h);
+  const c10::cuda::CUDAGuard guard(h.device());
+  const at::Tensor h_N2I = h.contiguous();
+  const at::Tensor dphi_NI = grad_phi.contiguous();
+  const int64_t N = h_N2I.size(0), I = h_N2I.size(1) / 2;
+  at::Tensor grad_h_N2I = at::empty({N, 2 * I}, h_N2I.options());
+  if (N == 0 || I == 0) return grad_h_N2I;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h_N2I.scalar_type(),
+                                  "lrmoe_swiglu_backward_cuda", [&] {
+    const scalar_t* hp = h_N2I.const_data_ptr<scalar_t>();
+    const scalar_t* dp = dphi_NI.const_data_ptr<scalar_t>();
+    scalar_t* op = grad_h_N2I.data_ptr<scalar_t>();
+    constexpr int kVec = 16 / sizeof(scalar_t);
+    if (vec_width<scalar_t>(I, {hp, dp, op}) == kVec) {
+      swiglu_backward_kernel<scalar_t, kVec><<<row_blocks(N), kRowThreads, 0, stream>>>(
+          dp, hp, op, N, I);
+    } else {
+      swiglu_backward_kernel<scalar_t, 1><<<row_blocks(N), kRowThreads, 0, stream>>>(
+          dp, hp, op, N, I);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return grad_h_N2I;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(lrmoe, CUDA, m) {
+  m.impl("swiglu", &swiglu_cuda);
+  m.impl("swiglu_backward", &swiglu_backward_cuda);
+}
+
+}  // namespace lrmoe

@@ -1,0 +1,54 @@
+// swiglu / swiglu_backward: argument checks and the scalar math shared by the
+// CPU and CUDA kernels (one definition of the formulas for both devices).
+//
+// Legend: N rows (routed pairs in row order), I expert intermediate size;
+// h_N2I = [gate | up], phi_NI = silu(gate) * up, phi_sq_N = ||phi||^2.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/macros/Macros.h>
+
+#include <cmath>
+
+#include "rows.h"
+
+namespace lrmoe {
+
+inline void check_swiglu_args(const at::Tensor& h_N2I) {
+  check_dim(h_N2I, 2, "h");
+  check_float_dtype(h_N2I, "h");
+  LRMOE_CHECK(h_N2I.size(1) % 2 == 0, "h must be (N, 2I) = [gate | up], got an odd width ",
+              h_N2I.size(1), "; pass the gate_up projection output");
+}
+
+inline void check_swiglu_backward_args(const at::Tensor& grad_phi_NI, const at::Tensor& h_N2I) {
+  check_swiglu_args(h_N2I);
+  check_dim(grad_phi_NI, 2, "grad_phi");
+  LRMOE_CHECK(grad_phi_NI.scalar_type() == h_N2I.scalar_type(), "grad_phi has dtype ",
+              grad_phi_NI.scalar_type(), " but h has ", h_N2I.scalar_type(),
+              "; cast grad_phi to h's dtype");
+  LRMOE_CHECK(grad_phi_NI.size(0) == h_N2I.size(0) && 2 * grad_phi_NI.size(1) == h_N2I.size(1),
+              "grad_phi must have shape (N, I) = (", h_N2I.size(0), ", ", h_N2I.size(1) / 2,
+              ") for h of shape ", h_N2I.sizes(), ", got ", grad_phi_NI.sizes());
+  check_same_device(grad_phi_NI, "grad_phi", h_N2I, "h");
+}
+
+// sigma(g) in the accumulation type; exp overflow for very negative g gives 0, not NaN.
+C10_HOST_DEVICE inline float swiglu_sigmoid(float g) { return 1.0f / (1.0f + ::expf(-g)); }
+C10_HOST_DEVICE inline double swiglu_sigmoid(double g) { return 1.0 / (1.0 + ::exp(-g)); }
+
+// phi = silu(g) * u
+template <typename T>
+C10_HOST_DEVICE inline T swiglu_phi(T g, T u) {
+  return g * swiglu_sigmoid(g) * u;
+}
+
+// d gate = dphi * u * s * (1 + g (1 - s)); d up = dphi * silu(g)
+template <typename T>
+C10_HOST_DEVICE inline void swiglu_grad(T dphi, T g, T u, T& dgate, T& dup) {
+  const T s = swiglu_sigmoid(g);
+  dgate = dphi * u * s * (T(1) + g * (T(1) - s));
+  dup = dphi * g * s;
+}
+
+}  // namespace lrmoe
