@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Tuple
 
-from lrmoe.ops import METRICS, QUOTA_RULES, SELECTIONS
+from lrmoe.ops import METRICS, QUOTA_RULES, SELECTIONS, rate_fraction
 
 ROUTERS = ("softmax", "sigmoid")
 
@@ -63,6 +64,13 @@ class LRMoEConfig:
     selection: str = "topk"
     seed: int = 0
     selective_backward: bool = True
+    #: c as the exact fraction (p, q) of the quota arithmetic; derived, not an input.
+    rate_pq: Tuple[int, int] = field(init=False, repr=False, compare=False, default=(0, 1))
+
+    def retained_pairs(self, num_pairs: int) -> int:
+        """R = floor((1 - c) * num_pairs), exact (see :func:`lrmoe.ops.rate_fraction`)."""
+        p, q = self.rate_pq
+        return (q - p) * num_pairs // q
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "moe_intermediate_size", "num_experts", "top_k"):
@@ -90,6 +98,7 @@ class LRMoEConfig:
             raise ValueError(
                 f"LRMoEConfig.selective_backward=False runs the exact backward, but "
                 f"recalibration_rate={c}; set recalibration_rate=0 or selective_backward=True")
+        self.rate_pq = rate_fraction(c)
         if self.routed_scaling_factor <= 0 or not math.isfinite(self.routed_scaling_factor):
             raise ValueError("LRMoEConfig.routed_scaling_factor must be a positive finite "
                              f"float, got {self.routed_scaling_factor!r}")

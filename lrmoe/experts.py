@@ -23,7 +23,6 @@ from torch import Tensor
 
 from lrmoe import ops
 from lrmoe.config import LRMoEConfig
-from lrmoe.ops import retained_total
 
 
 @dataclass
@@ -134,7 +133,7 @@ class ExpertFunction(torch.autograd.Function):
 
         alpha_P = weights_TK.detach().reshape(-1).float()
         if cfg.selective_backward:
-            num_retained = retained_total(num_pairs, cfg.recalibration_rate)
+            num_retained = cfg.retained_pairs(num_pairs)
             seed = cfg.seed + stats.backward_steps
             quota_E = ops.quota(tokens_per_expert_E, cfg.recalibration_rate, cfg.quota_rule)
             score_P = ops.score(g_TH, weights_TK.detach(), phi_sq_P, row_pair_P, cfg.metric,

@@ -306,14 +306,25 @@ def _(a, b, offsets):
     return a.new_empty(offsets.shape[0], a.shape[0], b.shape[1])
 
 
-def retained_total(num_pairs: int, recalibration_rate: float) -> int:
-    """R = floor((1 - c) * num_pairs), the retained pair count that sizes every backward
-    buffer, in exact integer arithmetic (``csrc/core/quota.h``): c is taken as the fraction
-    nearest to it with denominator <= 2**20, i.e. in Python
-    ``Fraction(round(c * 2**60), 2**60).limit_denominator(2**20)``, so 0.3 and 1/3 are
-    exact.
+
+def rate_fraction(recalibration_rate: float) -> Tuple[int, int]:
+    """The recalibration rate c as the exact fraction (p, q) all quota arithmetic uses.
+
+    The fraction nearest to c with q <= 2**20 (``csrc/core/quota.h``), i.e. in Python
+    ``Fraction(round(c * 2**60), 2**60).limit_denominator(2**20)``: 0.3 and 1/3 are exact.
 
     Raises:
-        ValueError: ``num_pairs < 0`` or c outside [0, 1).
+        ValueError: c outside [0, 1).
     """
-    return _C.retained_total(int(num_pairs), float(recalibration_rate))
+    return _C.rate_fraction(float(recalibration_rate))
+
+
+def retained_total(num_pairs: int, recalibration_rate: float) -> int:
+    """R = floor((1 - c) * num_pairs) in exact integer arithmetic (c as :func:`rate_fraction`),
+    the retained pair count that sizes every backward buffer.
+
+    Raises:
+        ValueError: c outside [0, 1).
+    """
+    p, q = rate_fraction(recalibration_rate)
+    return (q - p) * num_pairs // q

@@ -37,23 +37,23 @@ TORCH_LIBRARY(lrmoe, m) {
   m.def("grouped_mm(Tensor a, Tensor b, Tensor offsets) -> Tensor");
 }
 
-// Host-side retained count R = floor((1 - c) * P), the one formula that sizes every
-// backward buffer; exposed so Python sizes them with the same C++ as the quotas.
-static PyObject* py_retained_total(PyObject*, PyObject* args) {
-  long long num_pairs = 0;
+// The recalibration rate as the exact fraction p/q that every quota uses
+// (core::rate_fraction), so Python sizes the backward buffers, R = (q - p) * P / q,
+// with the same arithmetic as the C++ quotas and in plain ints torch.compile traces.
+static PyObject* py_rate_fraction(PyObject*, PyObject* args) {
   double rate = 0.0;
-  if (!PyArg_ParseTuple(args, "Ld", &num_pairs, &rate)) return nullptr;
-  if (num_pairs < 0 || !(rate >= 0.0 && rate < 1.0)) {
-    PyErr_SetString(PyExc_ValueError,
-                    "retained_total: num_pairs must be >= 0 and recalibration_rate in [0, 1)");
+  if (!PyArg_ParseTuple(args, "d", &rate)) return nullptr;
+  if (!(rate >= 0.0 && rate < 1.0)) {
+    PyErr_SetString(PyExc_ValueError, "rate_fraction: recalibration_rate must be in [0, 1)");
     return nullptr;
   }
-  return PyLong_FromLongLong(lrmoe::core::retained_total(num_pairs, rate));
+  const auto f = lrmoe::core::rate_fraction(rate);
+  return Py_BuildValue("(LL)", static_cast<long long>(f.p), static_cast<long long>(f.q));
 }
 
 static PyMethodDef methods[] = {
-    {"retained_total", py_retained_total, METH_VARARGS,
-     "retained_total(num_pairs, recalibration_rate) -> floor((1 - c) * num_pairs)"},
+    {"rate_fraction", py_rate_fraction, METH_VARARGS,
+     "rate_fraction(recalibration_rate) -> (p, q), the exact fraction used for c"},
     {nullptr, nullptr, 0, nullptr}};
 
 // `import lrmoe._C` loads this library, whose static initialisers register the ops.

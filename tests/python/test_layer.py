@@ -304,7 +304,7 @@ def test_aux_and_z_loss_formulas():
     counts = torch.bincount(ids.reshape(-1), minlength=6).double()
     aux = 6 * float((counts / 30 * probs.mean(0)).sum())
     z = float((torch.logsumexp(logits, -1) ** 2).mean())
-    assert float(layer.aux_loss) == pytest.approx(aux + 0.5 * z, rel=1e-5)
+    assert float(layer.aux_loss.detach()) == pytest.approx(aux + 0.5 * z, rel=1e-5)
 
 
 def test_activation_checkpointing_matches_eager():
@@ -372,3 +372,14 @@ def test_bad_inputs_are_refused():
     x[2, 3] = float("inf")
     with pytest.raises(ValueError, match="NaN or inf"):
         layer(x)
+
+
+@pytest.mark.parametrize("c", [0.0, 0.1, 0.2, 0.3, 1 / 3, 0.123456, 0.999])
+def test_retained_count_is_exact_floor(c):
+    from lrmoe.ops import rate_fraction, retained_total
+    p, q = rate_fraction(c)
+    assert Fraction(p, q) == Fraction(c).limit_denominator(2 ** 20)
+    for n in (0, 1, 9, 100, 262144, 2000001):
+        assert retained_total(n, c) == int((1 - Fraction(p, q)) * n)
+    with pytest.raises(ValueError, match="recalibration_rate"):
+        rate_fraction(1.0)
