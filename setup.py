@@ -15,7 +15,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 # torch >= 2.14 headers need C++20; older ones accept it too.
-STD = "-std=c++20"
+STD = "-std=" + os.environ.get("LRMOE_CXX_STD", "c++20")
 
 
 def _want_cuda() -> bool:

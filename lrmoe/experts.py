@@ -38,6 +38,7 @@ class BackwardStats:
         retained_mass: () float32, sum of kept scores / sum of all scores (backward).
         num_pairs: P. num_retained: R (host ints).
         buffer_bytes: bytes of the backward's expert buffers (all sized by R).
+        kept_pair_R: (R,) int32 pair ids (t*K + k) whose expert backward ran (backward).
         backward_steps: number of backwards run so far (also offsets the seed).
     """
 
@@ -48,6 +49,7 @@ class BackwardStats:
     num_retained: int = 0
     buffer_bytes: int = 0
     backward_steps: int = 0
+    kept_pair_R: Optional[Tensor] = None
     buffers: Dict[str, tuple] = field(default_factory=dict)
 
     def summary(self) -> Dict[str, object]:
@@ -150,7 +152,7 @@ class ExpertFunction(torch.autograd.Function):
             scale_R = alpha_P.index_select(0, row_pair_P)
             h_R2I = h_P2I
             stats.quota_E, stats.retained_mass = tokens_per_expert_E, None
-        stats.num_retained = num_retained
+        stats.num_retained, stats.kept_pair_R = num_retained, kept_pair_R
         stats.backward_steps += 1
 
         # compacted buffers: every one has R rows
