@@ -20,6 +20,7 @@ from typing import Dict, Optional
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function as phase  # names the benchmark's breakdown
 
 from lrmoe import ops
 from lrmoe.config import LRMoEConfig
@@ -106,13 +107,16 @@ class ExpertFunction(torch.autograd.Function):
     def forward(ctx, x_TH, weights_TK, expert_ids_TK, w_gate_up_E2IH, w_down_EHI,
                 config: LRMoEConfig, stats: BackwardStats):
         num_experts, top_k = w_gate_up_E2IH.shape[0], expert_ids_TK.shape[1]
-        row_pair_P, pair_row_P, tokens_per_expert_E, offsets_E = ops.permute(
-            expert_ids_TK, num_experts)
-        x_PH = ops.gather_rows(x_TH, row_pair_P, None, top_k)
-        h_P2I = ops.grouped_mm(x_PH, w_gate_up_E2IH.transpose(1, 2), offsets_E)
-        phi_PI, phi_sq_P = ops.swiglu(h_P2I)
-        y_PH = ops.grouped_mm(phi_PI, w_down_EHI.transpose(1, 2), offsets_E)
-        o_TH = ops.combine(y_PH, pair_row_P, weights_TK, top_k)
+        with phase("lrmoe.permute"):
+            row_pair_P, pair_row_P, tokens_per_expert_E, offsets_E = ops.permute(
+                expert_ids_TK, num_experts)
+            x_PH = ops.gather_rows(x_TH, row_pair_P, None, top_k)
+        with phase("lrmoe.expert_gemm_fwd"):
+            h_P2I = ops.grouped_mm(x_PH, w_gate_up_E2IH.transpose(1, 2), offsets_E)
+            phi_PI, phi_sq_P = ops.swiglu(h_P2I)
+            y_PH = ops.grouped_mm(phi_PI, w_down_EHI.transpose(1, 2), offsets_E)
+        with phase("lrmoe.combine"):
+            o_TH = ops.combine(y_PH, pair_row_P, weights_TK, top_k)
 
         ctx.save_for_backward(x_TH, weights_TK, w_gate_up_E2IH, w_down_EHI, h_P2I, y_PH,
                               phi_sq_P, row_pair_P, pair_row_P, tokens_per_expert_E,
@@ -131,20 +135,25 @@ class ExpertFunction(torch.autograd.Function):
         num_pairs = row_pair_P.shape[0]
 
         # exact for every pair: needs no expert backward
-        grad_weights_TK = ops.routing_weight_grad(g_TH, y_PH, pair_row_P, top_k)
+        with phase("lrmoe.router_grad"):
+            grad_weights_TK = ops.routing_weight_grad(g_TH, y_PH, pair_row_P, top_k)
 
         alpha_P = weights_TK.detach().reshape(-1).float()
         if cfg.selective_backward:
             num_retained = cfg.retained_pairs(num_pairs)
             seed = cfg.seed + stats.backward_steps
-            quota_E = ops.quota(tokens_per_expert_E, cfg.recalibration_rate, cfg.quota_rule)
-            score_P = ops.score(g_TH, weights_TK.detach(), phi_sq_P, row_pair_P, cfg.metric,
-                                seed)
-            kept_rows_R, kept_pair_R, pair_kept_P, kept_offsets_E, kept_scale_R, mass = (
-                ops.select(score_P, row_pair_P, offsets_E, quota_E, num_retained,
-                           cfg.selection, seed))
-            scale_R = alpha_P.index_select(0, kept_pair_R) * kept_scale_R
-            h_R2I = ops.gather_rows(h_P2I, kept_rows_R, None, 1)
+            with phase("lrmoe.score"):
+                score_P = ops.score(g_TH, weights_TK.detach(), phi_sq_P, row_pair_P,
+                                    cfg.metric, seed)
+            with phase("lrmoe.select"):
+                quota_E = ops.quota(tokens_per_expert_E, cfg.recalibration_rate,
+                                    cfg.quota_rule)
+                kept_rows_R, kept_pair_R, pair_kept_P, kept_offsets_E, kept_scale_R, mass = (
+                    ops.select(score_P, row_pair_P, offsets_E, quota_E, num_retained,
+                               cfg.selection, seed))
+            with phase("lrmoe.compact"):
+                scale_R = alpha_P.index_select(0, kept_pair_R) * kept_scale_R
+                h_R2I = ops.gather_rows(h_P2I, kept_rows_R, None, 1)
             stats.quota_E, stats.retained_mass = quota_E, mass
         else:
             num_retained = num_pairs
@@ -156,15 +165,18 @@ class ExpertFunction(torch.autograd.Function):
         stats.backward_steps += 1
 
         # compacted buffers: every one has R rows
-        G_RH = ops.gather_rows(g_TH, kept_pair_R, scale_R, top_k)
-        X_RH = ops.gather_rows(x_TH, kept_pair_R, None, top_k)
-        phi_RI, _ = ops.swiglu(h_R2I)
-        dphi_RI = ops.grouped_mm(G_RH, w_down_EHI, kept_offsets_E)
-        grad_w_down_EHI = ops.grouped_mm(G_RH.t(), phi_RI, kept_offsets_E)
-        dh_R2I = ops.swiglu_backward(dphi_RI, h_R2I)
-        grad_w_gate_up_E2IH = ops.grouped_mm(dh_R2I.t(), X_RH, kept_offsets_E)
-        dx_RH = ops.grouped_mm(dh_R2I, w_gate_up_E2IH, kept_offsets_E)
-        grad_x_TH = ops.combine(dx_RH, pair_kept_P, None, top_k)
+        with phase("lrmoe.compact"):
+            G_RH = ops.gather_rows(g_TH, kept_pair_R, scale_R, top_k)
+            X_RH = ops.gather_rows(x_TH, kept_pair_R, None, top_k)
+        with phase("lrmoe.expert_gemm_bwd"):
+            phi_RI, _ = ops.swiglu(h_R2I)
+            dphi_RI = ops.grouped_mm(G_RH, w_down_EHI, kept_offsets_E)
+            grad_w_down_EHI = ops.grouped_mm(G_RH.t(), phi_RI, kept_offsets_E)
+            dh_R2I = ops.swiglu_backward(dphi_RI, h_R2I)
+            grad_w_gate_up_E2IH = ops.grouped_mm(dh_R2I.t(), X_RH, kept_offsets_E)
+            dx_RH = ops.grouped_mm(dh_R2I, w_gate_up_E2IH, kept_offsets_E)
+        with phase("lrmoe.scatter"):
+            grad_x_TH = ops.combine(dx_RH, pair_kept_P, None, top_k)
 
         buffers = {"G": G_RH, "X": X_RH, "h": h_R2I, "phi": phi_RI, "dphi": dphi_RI,
                    "dh": dh_R2I, "dx": dx_RH}

@@ -89,6 +89,9 @@ class LRMoELayer(nn.Module):
             if config.shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         self.stats = BackwardStats()
+        #: optional :class:`lrmoe.trace.RoutingTrace` fed the expert ids of recorded steps
+        self.trace = None
+        self.layer_index = 0
         self.aux_loss: Optional[Tensor] = None
         self.router_logits: Optional[Tensor] = None
 
@@ -101,12 +104,14 @@ class LRMoELayer(nn.Module):
         self.config = self.config.replace(**changes)
         self.gate.config = self.config
 
-    def forward(self, hidden_states: Tensor) -> Tensor:
+    def forward(self, hidden_states: Tensor, expert_ids: Optional[Tensor] = None) -> Tensor:
         """Apply the layer.
 
         Args:
             hidden_states: (..., H) float tensor (fp32, bf16, fp16 or fp64); any strides.
                 Under autocast the experts run in the autocast dtype.
+            expert_ids: optional (T, K) int64 forced routing (see :meth:`Router.forward`),
+                T = hidden_states.numel() // H; for benchmarks and trace replay.
 
         Returns:
             (..., H) tensor of the input's dtype (the autocast dtype under autocast).
@@ -127,8 +132,11 @@ class LRMoELayer(nn.Module):
             dtype = torch.get_autocast_dtype(device_type)
             x_TH, w_gate_up, w_down = x_TH.to(dtype), w_gate_up.to(dtype), w_down.to(dtype)
 
-        routing = self.gate(x_TH)
+        with torch.profiler.record_function("lrmoe.router"):
+            routing = self.gate(x_TH, expert_ids)
         self.router_logits = routing.logits_TE
+        if self.trace is not None and torch.is_grad_enabled() and self.trace.wants():
+            self.trace.record(self.layer_index, routing.expert_ids_TK)
         aux = cfg.router_aux_loss_coef * load_balancing_loss(routing.probs_TE,
                                                              routing.expert_ids_TK)
         if cfg.router_z_loss_coef:

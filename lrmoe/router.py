@@ -5,6 +5,7 @@ Legend: T tokens, H hidden size, E experts, K top_k.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -81,11 +82,15 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias",
                                  torch.zeros(config.num_experts, dtype=torch.float32))
 
-    def forward(self, x_TH: Tensor) -> Routing:
+    def forward(self, x_TH: Tensor, expert_ids_TK: Optional[Tensor] = None) -> Routing:
         """Route T tokens.
 
         Args:
             x_TH: (T, H) float tensor.
+            expert_ids_TK: optional (T, K) int64 forced expert ids (benchmarks replaying a
+                trace or a synthetic skew): the router still runs, the weights become its
+                scores at these ids (normalised and scaled as configured), so router
+                gradients stay real.
 
         Returns:
             :class:`Routing`.
@@ -99,14 +104,15 @@ class Router(nn.Module):
             logits_TE = F.linear(x_TH.float(), self.weight.float())
             _check_finite(logits_TE)
             if cfg.router == "softmax":
-                probs_TE = torch.softmax(logits_TE, dim=-1)
-                weights_TK, expert_ids_TK = torch.topk(probs_TE, cfg.top_k, dim=-1)
+                probs_TE = scores_TE = torch.softmax(logits_TE, dim=-1)
+                choice_TE = probs_TE
             else:
                 scores_TE = torch.sigmoid(logits_TE)
                 choice_TE = scores_TE.detach() + self.e_score_correction_bias
-                expert_ids_TK = torch.topk(choice_TE, cfg.top_k, dim=-1).indices
-                weights_TK = scores_TE.gather(1, expert_ids_TK)
                 probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+            if expert_ids_TK is None:
+                expert_ids_TK = torch.topk(choice_TE, cfg.top_k, dim=-1).indices
+            weights_TK = scores_TE.gather(1, expert_ids_TK)
             if cfg.norm_topk_prob:
                 weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
             if cfg.routed_scaling_factor != 1.0:

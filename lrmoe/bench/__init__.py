@@ -1,0 +1,1 @@
+"""Benchmarks run by ``lrmoe bench``: :mod:`lrmoe.bench.layer`."""

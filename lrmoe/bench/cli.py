@@ -1,0 +1,58 @@
+"""Argument parsing of ``lrmoe bench layer`` (shared by the console script and
+``benchmarks/layer_bench.py``)."""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from typing import List, Optional
+
+from lrmoe.bench.layer import SHAPES, bench_layer
+
+
+def add_layer_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of ``lrmoe bench layer``."""
+    p.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b", "glm-4.5-air"],
+                   choices=sorted(SHAPES), help="layer shapes (default: both paper shapes)")
+    p.add_argument("--tokens", nargs="+", type=int, default=[16384, 32768],
+                   help="tokens per step T (default: 16384 32768)")
+    p.add_argument("--routing", nargs="+", default=["uniform", "skewed"],
+                   choices=["uniform", "skewed", "trace"], help="routing kinds")
+    p.add_argument("--trace", default=None, help="routing trace .npz for --routing trace")
+    p.add_argument("--rates", nargs="+", type=float, default=[0.0, 0.1, 0.2, 0.3],
+                   help="LRMoE recalibration rates")
+    p.add_argument("--methods", nargs="+", default=["lrmoe", "dropless", "transformers"],
+                   choices=["lrmoe", "dropless", "transformers"])
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--iters", type=int, default=20, help="timed iterations (median)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rotate", type=int, default=3, help="input sets rotated over")
+    p.add_argument("--transformers-iters", type=int, default=3)
+    p.add_argument("--out", default="bench-out", help="folder for json/md/png")
+    p.add_argument("--append-md", default=None,
+                   help="also append the markdown table to this file (docs/performance.md)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny CPU-sized run (CI): shape smoke, 256 tokens, 2 iterations")
+    return p
+
+
+def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dict:
+    """Run ``bench layer`` from parsed arguments and print the targets table."""
+    if args.smoke:
+        args.shapes, args.tokens, args.iters, args.warmup = ["smoke"], [256], 2, 1
+        args.transformers_iters, args.rotate = 1, 2
+        args.dtype = "float32" if (args.device or "cpu") == "cpu" else args.dtype
+    command = "lrmoe bench layer " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    result = bench_layer(args.shapes, args.tokens, args.routing, args.rates, args.methods,
+                         args.device, args.dtype, args.iters, args.warmup, args.rotate,
+                         args.transformers_iters, args.trace, args.out, args.append_md,
+                         command)
+    print((result["meta"]["device"]) + ": wrote " + args.out + "/layer_bench.{json,md,png}")
+    for r in result["records"]:
+        print(f"{r['shape']:>14} {r['tokens']:>6} {r['routing']:>8} {r['method']:>14} "
+              f"fwd {r['fwd_ms']:8.2f} ms  bwd {r['bwd_ms']:8.2f} ms")
+    for t in result["targets"]:
+        v = "-" if t["value"] is None else f"{t['value']:.3f}"
+        print(f"target {t['target']}: {v} ({t['limit']}) {'met' if t['met'] else 'MISSED'}")
+    return result

@@ -1,0 +1,60 @@
+"""``lrmoe bench layer``: CPU smoke run (CI) and the baselines' equivalence.
+
+The timings of a CPU smoke run mean nothing; what is checked is that every method runs,
+that the report files are written, and that the methods compute the same function, so
+that the GPU benchmark compares like with like.
+"""
+import json
+
+import pytest
+import torch
+
+from conftest import rel_err
+from lrmoe.bench.layer import Case, build_methods, bench_layer, load_imbalance, make_routing
+
+
+def test_methods_compute_the_same_layer():
+    case = Case("smoke", 64, "skewed", torch.float64)
+    ids = make_routing("skewed", 64, 8, 2, seed=0)
+    x = torch.randn(64, 64, dtype=torch.float64)
+    g = torch.randn(64, 64, dtype=torch.float64)
+    outs, grads = {}, {}
+    for m in build_methods(case, [0.0], ["lrmoe", "dropless", "transformers"],
+                           torch.device("cpu")):
+        xi = x.clone().requires_grad_()
+        out = m.forward(xi, ids)
+        out.backward(g)
+        outs[m.name], grads[m.name] = out.detach(), xi.grad
+    # float64 everywhere but the fp32 router math: agreement to fp32 rounding
+    for name in ("dropless", "transformers"):
+        assert rel_err(outs[name], outs["lrmoe c=0"]) < 1e-6, name
+        assert rel_err(grads[name], grads["lrmoe c=0"]) < 1e-6, name
+
+
+def test_routing_kinds():
+    uni = make_routing("uniform", 4096, 16, 4, seed=1)
+    skew = make_routing("skewed", 4096, 16, 4, seed=1)
+    for ids in (uni, skew):
+        assert ids.shape == (4096, 4)
+        assert (ids.sort(-1).values.diff(dim=-1) > 0).all()  # K distinct experts
+    assert load_imbalance(uni, 16) < 1.15 < 2.0 < load_imbalance(skew, 16)
+    with pytest.raises(ValueError, match="--trace"):
+        make_routing("trace", 8, 16, 4, seed=0)
+
+
+def test_smoke_run_writes_reports(tmp_path):
+    md = tmp_path / "perf.md"
+    md.write_text("# perf\n")
+    result = bench_layer(["smoke"], [128], ["uniform"], rates=[0.0, 0.3], device="cpu",
+                         dtype="float32", iters=1, warmup=1, rotate=1, transformers_iters=1,
+                         out_dir=str(tmp_path / "out"), append_md=str(md), command="test")
+    names = [r["method"] for r in result["records"]]
+    assert names == ["lrmoe c=0", "lrmoe c=0.3", "dropless", "transformers"]
+    data = json.loads((tmp_path / "out" / "layer_bench.json").read_text())
+    c0, c3 = data["records"][0], data["records"][1]
+    assert c3["num_retained"] == int(0.7 * 256) and c0["num_retained"] == 256
+    assert c3["backward_buffer_bytes"] < 0.71 * c0["backward_buffer_bytes"]
+    assert {"router", "permute", "expert_gemm_fwd", "combine", "score", "select",
+            "compact", "expert_gemm_bwd", "scatter"} <= set(c3["phases_ms"])
+    assert (tmp_path / "out" / "layer_bench.png").stat().st_size > 10_000
+    assert "| smoke | 128 | uniform" in md.read_text()
