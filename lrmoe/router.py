@@ -101,7 +101,7 @@ class Router(nn.Module):
         """
         cfg = self.config
         with torch.autocast(device_type=x_TH.device.type, enabled=False):
-            logits_TE = F.linear(x_TH.float(), self.weight.float())
+            logits_TE = _router_logits(x_TH, self.weight)
             _check_finite(logits_TE)
             if cfg.router == "softmax":
                 probs_TE = scores_TE = torch.softmax(logits_TE, dim=-1)
@@ -118,6 +118,15 @@ class Router(nn.Module):
             if cfg.routed_scaling_factor != 1.0:
                 weights_TK = weights_TK * cfg.routed_scaling_factor
         return Routing(logits_TE, weights_TK, expert_ids_TK, probs_TE)
+
+
+def _router_logits(x_TH: Tensor, weight_EH: Tensor) -> Tensor:
+    """(T, E) float32 logits. On CUDA with 16-bit activations: one 16-bit GEMM with fp32
+    accumulation and fp32 output (``mm`` with ``out_dtype``), instead of upcasting the
+    whole (T, H) activation; elsewhere a float32 GEMM."""
+    if x_TH.is_cuda and x_TH.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(x_TH, weight_EH.to(x_TH.dtype).t(), out_dtype=torch.float32)
+    return F.linear(x_TH.float(), weight_EH.float())
 
 
 def _check_finite(logits_TE: Tensor) -> None:
