@@ -108,3 +108,25 @@ def test_cuda_backward_peak_memory_scales_with_retained():
         peaks[c] = torch.cuda.max_memory_allocated() - base
         del layer, out, g, x
     assert peaks[0.3] < 0.85 * peaks[0.0], peaks
+
+
+@pytest.mark.parametrize("c", [0.0, 0.2])
+def test_cuda_full_layer_has_no_host_sync(c):
+    """Router, aux loss, experts, shared expert: forward + backward never wait for the
+    device (bf16, fused grouped GEMM path)."""
+    torch.manual_seed(0)
+    cfg = LRMoEConfig(hidden_size=256, moe_intermediate_size=128, num_experts=32, top_k=8,
+                      recalibration_rate=c, shared_expert_intermediate_size=128,
+                      router_z_loss_coef=1e-3)
+    layer = LRMoELayer(cfg).cuda().to(torch.bfloat16)
+    x = torch.randn(4, 512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x)
+    layer(x).backward(g)  # warm-up: lazy initialisation may sync once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = layer(x)
+        (out.float() * g.float()).sum().add(layer.aux_loss).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert layer.router_logits.dtype == torch.float32
