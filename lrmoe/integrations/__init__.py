@@ -1,0 +1,9 @@
+"""Integrations of LRMoE with model libraries.
+
+* :mod:`lrmoe.integrations.transformers` -- swap the sparse-MoE blocks of a Hugging Face
+  transformers model (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4-MoE; transformers 5.17.0) for
+  LRMoE layers holding the same parameters: ``patch_moe_blocks``, ``set_recalibration``,
+  ``collect_diagnostics``.
+
+Nothing is imported here eagerly, so ``import lrmoe`` never needs transformers.
+"""
