@@ -134,14 +134,7 @@ class LRMoELayer(nn.Module):
 
         with torch.profiler.record_function("lrmoe.router"):
             routing = self.gate(x_TH, expert_ids)
-        self.router_logits = routing.logits_TE
-        if self.trace is not None and torch.is_grad_enabled() and self.trace.wants():
-            self.trace.record(self.layer_index, routing.expert_ids_TK)
-        aux = cfg.router_aux_loss_coef * load_balancing_loss(routing.probs_TE,
-                                                             routing.expert_ids_TK)
-        if cfg.router_z_loss_coef:
-            aux = aux + cfg.router_z_loss_coef * router_z_loss(routing.logits_TE)
-        self.aux_loss = aux
+        self._record_routing(routing.logits_TE, routing.probs_TE, routing.expert_ids_TK)
 
         out_TH = ExpertFunction.apply(x_TH, routing.weights_TK, routing.expert_ids_TK,
                                       w_gate_up, w_down, cfg, self.stats)
@@ -151,6 +144,18 @@ class LRMoELayer(nn.Module):
                 shared_TH = torch.sigmoid(self.shared_expert_gate(x_TH)) * shared_TH
             out_TH = out_TH + shared_TH
         return out_TH.reshape(shape)
+
+    def _record_routing(self, logits_TE: Tensor, probs_TE: Tensor, expert_ids_TK: Tensor
+                        ) -> None:
+        """Keep the router logits, set ``aux_loss`` and feed the routing trace."""
+        cfg = self.config
+        self.router_logits = logits_TE
+        aux = cfg.router_aux_loss_coef * load_balancing_loss(probs_TE, expert_ids_TK)
+        if cfg.router_z_loss_coef:
+            aux = aux + cfg.router_z_loss_coef * router_z_loss(logits_TE)
+        self.aux_loss = aux
+        if self.trace is not None and torch.is_grad_enabled() and self.trace.wants():
+            self.trace.record(self.layer_index, expert_ids_TK)
 
     def _check_input(self, x: Tensor, w: Tensor) -> None:
         cfg = self.config

@@ -57,7 +57,7 @@ from torch.profiler import record_function
 from lrmoe.config import LRMoEConfig
 from lrmoe.experts import ExpertFunction
 from lrmoe.layer import LRMoELayer
-from lrmoe.router import _check_finite, load_balancing_loss, router_z_loss
+from lrmoe.router import _check_finite
 
 try:
     import transformers
@@ -223,11 +223,7 @@ class TransformersMoELayer(LRMoELayer):
             else:
                 scores_TE = torch.sigmoid(logits_TE)
                 probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
-        self.router_logits = logits_TE
-        aux = cfg.router_aux_loss_coef * load_balancing_loss(probs_TE, expert_ids_TK)
-        if cfg.router_z_loss_coef:
-            aux = aux + cfg.router_z_loss_coef * router_z_loss(logits_TE)
-        self.aux_loss = aux
+        self._record_routing(logits_TE, probs_TE, expert_ids_TK)
 
         x_expert_TH = x_TH
         device_type = x_TH.device.type
