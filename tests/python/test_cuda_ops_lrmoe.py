@@ -18,10 +18,11 @@ import torch
 
 from lrmoe import ops
 
+from _refs import I32, routing
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-I32 = torch.int32
 DEV = "cuda"
 
 
@@ -35,14 +36,6 @@ def no_sync():
         yield
     finally:
         torch.cuda.set_sync_debug_mode(prev)
-
-
-def routing(expert_ids: torch.Tensor, num_experts: int):
-    """row_pair (P,), tokens_per_expert (E,), offsets (E,) inclusive ends -- plain torch."""
-    flat = expert_ids.reshape(-1).long()
-    row_pair = torch.argsort(flat, stable=True).to(I32)
-    counts = torch.bincount(flat, minlength=num_experts)
-    return row_pair, counts.to(I32), torch.cumsum(counts, 0).to(I32)
 
 
 def random_expert_ids(gen, T, K, E, empty=(), skew=False):

@@ -16,19 +16,11 @@ import torch
 
 from lrmoe import ops
 
-I32 = torch.int32
-MASK64 = (1 << 64) - 1
+from _refs import I32, routing
+from conftest import ref_uniform01
 
 
 # --------------------------------------------------------------------------- helpers
-def routing(expert_ids: torch.Tensor, num_experts: int):
-    """row_pair (P,) int32, tokens_per_expert (E,), offsets (E,) inclusive ends."""
-    flat = expert_ids.reshape(-1).long()
-    row_pair = torch.argsort(flat, stable=True).to(I32)
-    counts = torch.bincount(flat, minlength=num_experts)
-    return row_pair, counts.to(I32), torch.cumsum(counts, 0).to(I32)
-
-
 def random_routing(gen, T, K, E, empty=(), skew=False):
     """Random (T, K) expert ids (distinct per token when K <= usable experts)."""
     usable = [e for e in range(E) if e not in set(empty)]
@@ -37,18 +29,6 @@ def random_routing(gen, T, K, E, empty=(), skew=False):
         w = torch.rand(len(usable), generator=gen, dtype=torch.float64) ** 4 + 1e-3
     idx = torch.stack([torch.multinomial(w, K, replacement=False, generator=gen) for _ in range(T)])
     return torch.tensor(usable)[idx]
-
-
-def splitmix64(z: int) -> int:
-    z = (z + 0x9E3779B97F4A7C15) & MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-    return z ^ (z >> 31)
-
-
-def uniform01(seed: int, stream: int, index: int) -> float:
-    h = splitmix64(splitmix64((seed ^ (stream << 56)) & MASK64) ^ index)
-    return (h >> 40) / 16777216.0
 
 
 # --------------------------------------------------------------------------- score
@@ -105,7 +85,7 @@ def test_score_random_matches_python_splitmix_and_is_uniform():
     out = ops.score(grad_out, weights, phi_sq, row_pair, "random", seed)
     # exact against a pure-Python splitmix64, keyed by pair id (not row)
     for r in range(0, T * K, 997):
-        assert out[r].item() == uniform01(seed, 1, int(row_pair[r]))
+        assert out[r].item() == ref_uniform01(seed, 1, int(row_pair[r]))
     # reproducible, seed-dependent, and a function of the pair id only
     assert torch.equal(out, ops.score(grad_out, weights, phi_sq, row_pair, "random", seed))
     other = ops.score(grad_out, weights, phi_sq, row_pair, "random", seed + 1)
