@@ -29,4 +29,13 @@ inline void check_pair_row(const at::Tensor& pair_row_P, int64_t top_k) {
               "); pass the flattened (T, K) pair_row from permute and its K");
 }
 
+// The values of a contiguous pair_row (host memory: CPU kernels only): each a
+// row of y in [0, N), or -1 for a dropped pair.
+inline void check_pair_row_values(const int32_t* pair_row_P, int64_t P, int64_t N) {
+  for (int64_t p = 0; p < P; ++p) {
+    LRMOE_CHECK(pair_row_P[p] >= -1 && pair_row_P[p] < N, "pair_row[", p, "] = ", pair_row_P[p],
+                " is outside [-1, ", N, "); rows index y (N = y.shape[0]), -1 marks a dropped pair");
+  }
+}
+
 }  // namespace lrmoe
