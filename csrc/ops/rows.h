@@ -10,15 +10,6 @@
 
 namespace lrmoe {
 
-// The four dtypes every float kernel is dispatched for; anything else (float8,
-// complex) gets a message naming the argument instead of a dispatch error.
-inline void check_float_dtype(const at::Tensor& t, const char* name) {
-  const auto st = t.scalar_type();
-  LRMOE_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf || st == at::kDouble,
-              name, " must be float32, bfloat16, float16 or float64, got ", st,
-              "; convert with .to(torch.bfloat16) or .float()");
-}
-
 // pair_row (P,) int32 and top_k must describe P = T * K pairs.
 inline void check_pair_row(const at::Tensor& pair_row_P, int64_t top_k) {
   check_dim(pair_row_P, 1, "pair_row");

@@ -38,3 +38,24 @@ def routing(expert_ids: torch.Tensor, num_experts: int
     row_pair = torch.argsort(flat, stable=True).to(I32)
     counts = torch.bincount(flat, minlength=num_experts)
     return row_pair, counts.to(I32), torch.cumsum(counts, 0).to(I32)
+
+
+def grouped_mm_rows_ref(a, b, offsets) -> torch.Tensor:
+    """2D x 3D grouped GEMM in float64 on the CPU: rows of group e times b[e]; zeros
+    past offsets[-1]."""
+    out = torch.zeros(a.shape[0], b.shape[2], dtype=torch.float64)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        out[start:end] = a[start:end].double().cpu() @ b[e].double().cpu()
+        start = end
+    return out
+
+
+def grouped_mm_k_ref(a, b, offsets) -> torch.Tensor:
+    """2D x 2D grouped GEMM (groups along K) in float64 on the CPU; empty groups give 0."""
+    out = torch.zeros(offsets.numel(), a.shape[0], b.shape[1], dtype=torch.float64)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        out[e] = a[:, start:end].double().cpu() @ b[start:end].double().cpu()
+        start = end
+    return out
