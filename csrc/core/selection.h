@@ -51,8 +51,10 @@ constexpr int kScanLanes = 32;
 
 LRMOE_HD inline int64_t scan_chunk_len(int64_t n) { return (n + kScanLanes - 1) / kScanLanes; }
 
-// First index i in [0, n) with C[i] > x (n if none); C non-decreasing.
-LRMOE_HD inline int64_t first_above(const double* C, int64_t n, double x) {
+// First index i in [0, n) with C[i] > x (n if none); C non-decreasing. Also
+// finds the expert owning a row or slot in inclusive ends (int32 C, int64 x).
+template <typename T, typename X>
+LRMOE_HD inline int64_t first_above(const T* C, int64_t n, X x) {
   int64_t lo = 0, hi = n;
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
@@ -87,20 +89,34 @@ LRMOE_HD inline float inverse_probability(double p) {
   return p > 0.0 ? static_cast<float>(1.0 / p) : 1.0f;
 }
 
-// Inclusion probability of the expert's j-th best row (0-based, weight w).
-//   mode kNone:  Q == 0, nothing is kept.
-//   mode kZero:  at most Q positive weights: positives p = 1, zero-weight rows
-//                share the remaining Q - npos slots uniformly (pz).
-//   mode kWater: water-filling, the m_star best rows capped at 1, the rest
-//                lambda * w, with sum p = Q.
-enum class ImportanceMode : int { kNone = 0, kZero = 1, kWater = 2 };
+// How one expert's Q slots are spread over its n rows (npos of them weigh > 0):
+//   kZero:  npos <= Q: positives p = 1, zero-weight rows share the remaining
+//           Q - npos slots uniformly (pz).
+//   kWater: npos > Q: water-filling, the m_star best rows capped at 1, the
+//           rest lambda * w, with sum p = Q (m_star, T_m from water_level_feasible).
+enum class ImportanceMode : int { kZero = 1, kWater = 2 };
 
-LRMOE_HD inline double inclusion_probability(ImportanceMode mode, int64_t j, double w,
-                                             int64_t m_star, double lambda, double pz) {
-  if (mode == ImportanceMode::kNone) return 0.0;
-  if (mode == ImportanceMode::kZero) return w > 0.0 ? 1.0 : pz;
-  if (j < m_star) return 1.0;
-  const double v = lambda * w;
+struct ImportancePlan {
+  ImportanceMode mode;
+  int64_t m_star;
+  double lambda;
+  double pz;
+};
+
+LRMOE_HD inline ImportancePlan zero_weight_plan(int64_t n, int64_t npos, int64_t Q) {
+  const double pz = n > npos ? static_cast<double>(Q - npos) / static_cast<double>(n - npos) : 0.0;
+  return {ImportanceMode::kZero, 0, 0.0, pz};
+}
+
+LRMOE_HD inline ImportancePlan water_plan(int64_t m_star, int64_t Q, double T_m_star) {
+  return {ImportanceMode::kWater, m_star, static_cast<double>(Q - m_star) / T_m_star, 0.0};
+}
+
+// Inclusion probability of the expert's j-th best row (0-based, weight w).
+LRMOE_HD inline double inclusion_probability(const ImportancePlan& plan, int64_t j, double w) {
+  if (plan.mode == ImportanceMode::kZero) return w > 0.0 ? 1.0 : plan.pz;
+  if (j < plan.m_star) return 1.0;
+  const double v = plan.lambda * w;
   return v < 1.0 ? v : 1.0;
 }
 

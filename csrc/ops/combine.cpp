@@ -27,10 +27,7 @@ at::Tensor combine_cpu(const at::Tensor& y, const at::Tensor& pair_row,
   const int64_t N = y_NH.size(0), H = y_NH.size(1), P = pair_row_P.numel(), K = top_k;
   const int64_t T = P / K;
   const int32_t* rows = pair_row_P.const_data_ptr<int32_t>();
-  for (int64_t p = 0; p < P; ++p) {
-    LRMOE_CHECK(rows[p] >= -1 && rows[p] < N, "pair_row[", p, "] = ", rows[p],
-                " is outside [-1, ", N, "); rows index y (N = y.shape[0]), -1 marks a dropped pair");
-  }
+  check_pair_row_values(rows, P, N);
   at::Tensor out_TH = at::empty({T, H}, y_NH.options());
   if (T == 0 || H == 0) return out_TH;
   const at::Tensor w_TK =

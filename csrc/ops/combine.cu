@@ -38,8 +38,7 @@ combine_kernel(const scalar_t* __restrict__ y_NH, const int32_t* __restrict__ pa
   using V = Vec<scalar_t, VEC>;
   const int lane = threadIdx.x % kWarp;
   const int64_t nvec = H / VEC;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarp; t < T;
-       t += static_cast<int64_t>(gridDim.x) * kRowWarps) {
+  for (int64_t t = warp_row(); t < T; t += warp_row_stride()) {
     for (int64_t v = lane; v < nvec; v += kWarp) {
       opmath_t acc[VEC];
 #pragma unroll
@@ -82,15 +81,11 @@ at::Tensor combine_cuda(const at::Tensor& y, const at::Tensor& pair_row,
     const scalar_t* yp = y_NH.const_data_ptr<scalar_t>();
     scalar_t* op = out_TH.data_ptr<scalar_t>();
     const int32_t* rows = pair_row_P.const_data_ptr<int32_t>();
-    constexpr int kVec = 16 / sizeof(scalar_t);
-    if (vec_width<scalar_t>(H, {yp, op}) == kVec) {
-      combine_kernel<scalar_t, kVec><<<row_blocks(T), kRowThreads, 0, stream>>>(
+    launch_vectorized<scalar_t>(H, {yp, op}, [&](auto vec) {
+      constexpr int VEC = decltype(vec)::value;
+      combine_kernel<scalar_t, VEC><<<row_blocks(T), kRowThreads, 0, stream>>>(
           yp, rows, w, op, N, H, T, K);
-    } else {
-      combine_kernel<scalar_t, 1><<<row_blocks(T), kRowThreads, 0, stream>>>(
-          yp, rows, w, op, N, H, T, K);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
   return out_TH;
 }

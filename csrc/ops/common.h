@@ -32,6 +32,15 @@ inline void check_floating(const at::Tensor& t, const char* name) {
               t.scalar_type());
 }
 
+// The four dtypes every float kernel is dispatched for; anything else (float8,
+// complex) gets a message naming the argument instead of a dispatch error.
+inline void check_float_dtype(const at::Tensor& t, const char* name) {
+  const auto st = t.scalar_type();
+  LRMOE_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf || st == at::kDouble,
+              name, " must be float32, bfloat16, float16 or float64, got ", st,
+              "; convert with .to(torch.bfloat16) or .float()");
+}
+
 enum class Metric : int { kLrm = 0, kGradSq = 1, kGradAbs = 2, kRandom = 3 };
 
 inline Metric parse_metric(const std::string& s) {

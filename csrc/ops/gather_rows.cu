@@ -31,8 +31,7 @@ gather_rows_kernel(const scalar_t* __restrict__ src_NC, const int32_t* __restric
   using V = Vec<scalar_t, VEC>;
   const int lane = threadIdx.x % kWarp;
   const int64_t nvec = C / VEC;
-  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarp; r < R;
-       r += static_cast<int64_t>(gridDim.x) * kRowWarps) {
+  for (int64_t r = warp_row(); r < R; r += warp_row_stride()) {
     const int64_t i = index_R[r];
     const int64_t n = i / divisor;
     CUDA_KERNEL_ASSERT(i >= 0 && n < N && "gather_rows: index out of range");
@@ -72,15 +71,11 @@ at::Tensor gather_rows_cuda(const at::Tensor& src, const at::Tensor& index,
     const scalar_t* s = src_NC.const_data_ptr<scalar_t>();
     scalar_t* o = out_RC.data_ptr<scalar_t>();
     const int32_t* idx = index_R.const_data_ptr<int32_t>();
-    constexpr int kVec = 16 / sizeof(scalar_t);
-    if (vec_width<scalar_t>(C, {s, o}) == kVec) {
-      gather_rows_kernel<scalar_t, kVec><<<row_blocks(R), kRowThreads, 0, stream>>>(
+    launch_vectorized<scalar_t>(C, {s, o}, [&](auto vec) {
+      constexpr int VEC = decltype(vec)::value;
+      gather_rows_kernel<scalar_t, VEC><<<row_blocks(R), kRowThreads, 0, stream>>>(
           s, idx, sc, o, N, C, R, divisor);
-    } else {
-      gather_rows_kernel<scalar_t, 1><<<row_blocks(R), kRowThreads, 0, stream>>>(
-          s, idx, sc, o, N, C, R, divisor);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
   return out_RC;
 }

@@ -26,6 +26,7 @@
 #include <tuple>
 
 #include "permute.h"
+#include "rows.cuh"
 
 namespace lrmoe {
 namespace {
@@ -112,12 +113,6 @@ __global__ void permute_scatter_kernel(const index_t* __restrict__ ids_P, int64_
   }
 }
 
-unsigned grid_for(int64_t n, int threads) {
-  int64_t b = (n + threads - 1) / threads;
-  if (b > (int64_t{1} << 20)) b = int64_t{1} << 20;
-  return static_cast<unsigned>(b < 1 ? 1 : b);
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute_cuda(
     const at::Tensor& expert_ids_TK, int64_t num_experts) {
   check_permute_args(expert_ids_TK, num_experts);
@@ -149,24 +144,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute_cuda(
         ids, P, E, num_tiles, end_bit, rank_P.data_ptr<int32_t>(), counts_EB.data_ptr<int32_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-    size_t temp_bytes = 0;
-    C10_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, temp_bytes,
-                                                 counts_EB.data_ptr<int32_t>(),
-                                                 base_EB.data_ptr<int32_t>(),
-                                                 static_cast<int>(EB), stream));
-    at::Tensor temp = at::empty({static_cast<int64_t>(temp_bytes)},
-                                ids_P.options().dtype(at::kByte));
-    C10_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(temp.data_ptr(), temp_bytes,
-                                                 counts_EB.data_ptr<int32_t>(),
-                                                 base_EB.data_ptr<int32_t>(),
-                                                 static_cast<int>(EB), stream));
+    cuda::with_cub_temp(ids_P, [&](void* tmp, size_t& bytes) {
+      return cub::DeviceScan::ExclusiveSum(tmp, bytes, counts_EB.data_ptr<int32_t>(),
+                                           base_EB.data_ptr<int32_t>(), static_cast<int>(EB),
+                                           stream);
+    });
 
-    permute_offsets_kernel<<<grid_for(E, 256), 256, 0, stream>>>(
+    permute_offsets_kernel<<<cuda::grid_stride_blocks(E, 256), 256, 0, stream>>>(
         counts_EB.data_ptr<int32_t>(), base_EB.data_ptr<int32_t>(), E, num_tiles,
         tokens_per_expert_E.data_ptr<int32_t>(), offsets_E.data_ptr<int32_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-    permute_scatter_kernel<index_t><<<grid_for(P, 256), 256, 0, stream>>>(
+    permute_scatter_kernel<index_t><<<cuda::grid_stride_blocks(P, 256), 256, 0, stream>>>(
         ids, P, E, num_tiles, rank_P.data_ptr<int32_t>(), base_EB.data_ptr<int32_t>(),
         row_pair_P.data_ptr<int32_t>(), pair_row_P.data_ptr<int32_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();

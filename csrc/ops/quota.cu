@@ -12,19 +12,22 @@
 
 #include "core/quota.h"
 #include "ops/quota.h"
+#include "ops/rows.cuh"
 
 namespace lrmoe {
 namespace {
 
+using namespace lrmoe::cuda;
+
 __global__ void clamp_loads_kernel(const int32_t* __restrict__ n_E, int64_t E,
                                    int32_t* __restrict__ out_E) {
-  const int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t e = thread_index();
   if (e < E) out_E[e] = n_E[e] > 0 ? n_E[e] : 0;
 }
 
 __global__ void quota_kernel(core::QuotaRule rule, const int32_t* __restrict__ n_E, int64_t E,
                              double recalibration_rate, int32_t* __restrict__ quota_E) {
-  const int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t e = thread_index();
   if (e < E) quota_E[e] = static_cast<int32_t>(core::expert_quota(rule, e, n_E, E, recalibration_rate));
 }
 
@@ -40,7 +43,7 @@ at::Tensor quota_cuda(const at::Tensor& tokens_per_expert, double recalibration_
   const at::Tensor src_E = tokens_per_expert.contiguous();
   auto stream = at::cuda::getCurrentCUDAStream();
   const int threads = 128;
-  const int blocks = static_cast<int>((E + threads - 1) / threads);
+  const unsigned blocks = blocks_for(E, threads);
   clamp_loads_kernel<<<blocks, threads, 0, stream>>>(src_E.data_ptr<int32_t>(), E,
                                                      n_E.data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -24,10 +24,7 @@ at::Tensor routing_weight_grad_cpu(const at::Tensor& grad_out, const at::Tensor&
   const at::Tensor pair_row_P = pair_row.contiguous();
   const int64_t N = y_NH.size(0), H = y_NH.size(1), P = pair_row_P.numel(), K = top_k;
   const int32_t* rows = pair_row_P.const_data_ptr<int32_t>();
-  for (int64_t p = 0; p < P; ++p) {
-    LRMOE_CHECK(rows[p] >= -1 && rows[p] < N, "pair_row[", p, "] = ", rows[p],
-                " is outside [-1, ", N, "); rows index y (N = y.shape[0]), -1 marks a dropped pair");
-  }
+  check_pair_row_values(rows, P, N);
   at::Tensor grad_w_TK = at::empty({P / K, K}, g_TH.options().dtype(at::kFloat));
   if (P == 0) return grad_w_TK;
   float* gw = grad_w_TK.data_ptr<float>();

@@ -29,8 +29,7 @@ routing_weight_grad_kernel(const scalar_t* __restrict__ g_TH, const scalar_t* __
   using V = Vec<scalar_t, VEC>;
   const int lane = threadIdx.x % kWarp;
   const int64_t nvec = H / VEC;
-  for (int64_t p = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarp; p < P;
-       p += static_cast<int64_t>(gridDim.x) * kRowWarps) {
+  for (int64_t p = warp_row(); p < P; p += warp_row_stride()) {
     const int32_t r = pair_row_P[p];
     CUDA_KERNEL_ASSERT(r >= -1 && r < N && "routing_weight_grad: pair_row out of range");
     opmath_t acc = 0;
@@ -67,15 +66,11 @@ at::Tensor routing_weight_grad_cuda(const at::Tensor& grad_out, const at::Tensor
     const scalar_t* yp = y_NH.const_data_ptr<scalar_t>();
     const int32_t* rows = pair_row_P.const_data_ptr<int32_t>();
     float* gw = grad_w_TK.data_ptr<float>();
-    constexpr int kVec = 16 / sizeof(scalar_t);
-    if (vec_width<scalar_t>(H, {gp, yp}) == kVec) {
-      routing_weight_grad_kernel<scalar_t, kVec><<<row_blocks(P), kRowThreads, 0, stream>>>(
+    launch_vectorized<scalar_t>(H, {gp, yp}, [&](auto vec) {
+      constexpr int VEC = decltype(vec)::value;
+      routing_weight_grad_kernel<scalar_t, VEC><<<row_blocks(P), kRowThreads, 0, stream>>>(
           gp, yp, rows, gw, N, H, P, K);
-    } else {
-      routing_weight_grad_kernel<scalar_t, 1><<<row_blocks(P), kRowThreads, 0, stream>>>(
-          gp, yp, rows, gw, N, H, P, K);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
   return grad_w_TK;
 }

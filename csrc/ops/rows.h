@@ -10,15 +10,6 @@
 
 namespace lrmoe {
 
-// The four dtypes every float kernel is dispatched for; anything else (float8,
-// complex) gets a message naming the argument instead of a dispatch error.
-inline void check_float_dtype(const at::Tensor& t, const char* name) {
-  const auto st = t.scalar_type();
-  LRMOE_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf || st == at::kDouble,
-              name, " must be float32, bfloat16, float16 or float64, got ", st,
-              "; convert with .to(torch.bfloat16) or .float()");
-}
-
 // pair_row (P,) int32 and top_k must describe P = T * K pairs.
 inline void check_pair_row(const at::Tensor& pair_row_P, int64_t top_k) {
   check_dim(pair_row_P, 1, "pair_row");
@@ -27,6 +18,15 @@ inline void check_pair_row(const at::Tensor& pair_row_P, int64_t top_k) {
   LRMOE_CHECK(pair_row_P.numel() % top_k == 0, "top_k (", top_k,
               ") must divide pair_row.numel() (", pair_row_P.numel(),
               "); pass the flattened (T, K) pair_row from permute and its K");
+}
+
+// The values of a contiguous pair_row (host memory: CPU kernels only): each a
+// row of y in [0, N), or -1 for a dropped pair.
+inline void check_pair_row_values(const int32_t* pair_row_P, int64_t P, int64_t N) {
+  for (int64_t p = 0; p < P; ++p) {
+    LRMOE_CHECK(pair_row_P[p] >= -1 && pair_row_P[p] < N, "pair_row[", p, "] = ", pair_row_P[p],
+                " is outside [-1, ", N, "); rows index y (N = y.shape[0]), -1 marks a dropped pair");
+  }
 }
 
 }  // namespace lrmoe

@@ -16,7 +16,7 @@ inline void check_score_args(const at::Tensor& grad_out_TH, const at::Tensor& we
   check_dim(weights_TK, 2, "weights");
   check_dim(phi_sq_P, 1, "phi_sq");
   check_dim(row_pair_P, 1, "row_pair");
-  check_floating(grad_out_TH, "grad_out");
+  check_float_dtype(grad_out_TH, "grad_out");  // dispatched: the four float dtypes only
   check_floating(weights_TK, "weights");
   LRMOE_CHECK(phi_sq_P.scalar_type() == at::kFloat, "phi_sq must be float32, got ",
               phi_sq_P.scalar_type(), "; it is the fp32 by-product of swiglu");

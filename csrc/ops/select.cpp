@@ -92,25 +92,20 @@ void select_importance_expert(const float* score, const int32_t* row_pair, int64
     w[j] = core::importance_weight(score[ranked[j].second]);
     npos += w[j] > 0.0;
   }
-  core::ImportanceMode mode = core::ImportanceMode::kZero;
-  int64_t m_star = 0;
-  double lambda = 0.0, pz = 0.0;
-  if (npos <= Q) {
-    pz = n > npos ? static_cast<double>(Q - npos) / static_cast<double>(n - npos) : 0.0;
-  } else {
-    mode = core::ImportanceMode::kWater;
+  core::ImportancePlan plan = core::zero_weight_plan(n, npos, Q);
+  if (npos > Q) {
     // T_m = sum of w[m..n), in the canonical order over the reversed sequence
     std::vector<double> tail(n);
     canonical_prefix(n, [&](int64_t i) { return w[n - 1 - i]; }, tail.data());
-    m_star = Q - 1;
+    int64_t m_star = Q - 1;
     for (int64_t m = 0; m < Q; ++m) {
       if (core::water_level_feasible(w[m], m, Q, tail[n - 1 - m])) { m_star = m; break; }
     }
-    lambda = static_cast<double>(Q - m_star) / tail[n - 1 - m_star];
+    plan = core::water_plan(m_star, Q, tail[n - 1 - m_star]);
   }
   std::vector<double> p(n), C(n);  // row order
   for (int64_t j = 0; j < n; ++j)
-    p[ranked[j].second - start] = core::inclusion_probability(mode, j, w[j], m_star, lambda, pz);
+    p[ranked[j].second - start] = core::inclusion_probability(plan, j, w[j]);
   canonical_prefix(n, [&](int64_t i) { return p[i]; }, C.data());
   const double u = core::uniform01(seed, core::kImportanceStream, static_cast<uint64_t>(e));
   int64_t max_d = INT64_MIN;

@@ -42,10 +42,13 @@
 #include "core/random.h"
 #include "core/selection.h"
 #include "ops/common.h"
+#include "ops/rows.cuh"
 #include "ops/select.h"
 
 namespace lrmoe {
 namespace {
+
+using namespace lrmoe::cuda;
 
 constexpr unsigned kFullMask = 0xffffffffu;
 
@@ -62,18 +65,13 @@ __device__ __forceinline__ void expert_range(const int32_t* offsets_E, int64_t e
 
 // First e with ends_E[e] > x (E if none): the expert owning row / slot x.
 __device__ __forceinline__ int64_t owner(const int32_t* ends_E, int64_t E, int64_t x) {
-  int64_t lo = 0, hi = E;
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (ends_E[mid] > x) hi = mid; else lo = mid + 1;
-  }
-  return lo;
+  return core::first_above(ends_E, E, x);
 }
 
 __global__ void clamp_quota_kernel(const int32_t* __restrict__ offsets_E,
                                    const int32_t* __restrict__ quota_E, int64_t E, int64_t P,
                                    int32_t* __restrict__ qc_E) {
-  const int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t e = thread_index();
   if (e >= E) return;
   int64_t start, n;
   expert_range(offsets_E, e, P, start, n);
@@ -84,7 +82,7 @@ __global__ void clamp_quota_kernel(const int32_t* __restrict__ offsets_E,
 __global__ void sort_keys_kernel(const float* __restrict__ score_P,
                                  const int32_t* __restrict__ offsets_E, int64_t E, int64_t P,
                                  uint64_t* __restrict__ key_P, int32_t* __restrict__ row_P) {
-  const int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t r = thread_index();
   if (r >= P) return;
   const uint64_t e = static_cast<uint64_t>(owner(offsets_E, E, r));
   key_P[r] = (e << 32) | core::score_order_key(score_P[r]);
@@ -97,7 +95,7 @@ __global__ void topk_flags_kernel(const uint64_t* __restrict__ sorted_key_P,
                                   const int32_t* __restrict__ offsets_E,
                                   const int32_t* __restrict__ qc_E, int64_t E, int64_t P,
                                   int32_t* __restrict__ keep_P) {
-  const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t j = thread_index();
   if (j >= P) return;
   const int64_t e = static_cast<int64_t>(sorted_key_P[j] >> 32);
   int32_t flag = 0;
@@ -116,7 +114,7 @@ __global__ void topk_write_kernel(const int32_t* __restrict__ keep_P,
                                   int32_t* __restrict__ kept_rows_R,
                                   int32_t* __restrict__ kept_pair_R,
                                   int32_t* __restrict__ pair_kept_P) {
-  const int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t r = thread_index();
   if (r >= P || !keep_P[r]) return;
   const int64_t slot = slot_P[r];
   if (slot >= R) return;
@@ -127,12 +125,6 @@ __global__ void topk_write_kernel(const int32_t* __restrict__ keep_P,
 }
 
 // ---------------------------------------------------------------- importance
-__device__ __forceinline__ int warp_sum(int v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
-  return v;
-}
-
 __device__ __forceinline__ int64_t warp_min(int64_t v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
@@ -160,7 +152,7 @@ __global__ void importance_probs_kernel(const float* __restrict__ score_P,
                                         const int32_t* __restrict__ offsets_E,
                                         const int32_t* __restrict__ qc_E, int64_t E, int64_t P,
                                         double* p_P, double* C_P) {
-  const int64_t e = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) >> 5;
+  const int64_t e = thread_index() / kWarp;
   const int lane = threadIdx.x & 31;
   if (e >= E) return;  // warp-uniform
   int64_t start, n;
@@ -176,13 +168,8 @@ __global__ void importance_probs_kernel(const float* __restrict__ score_P,
 
   const int64_t cl = core::scan_chunk_len(n);
   const int64_t lo = min(n, lane * cl), hi = min(n, lo + cl);
-  core::ImportanceMode mode = core::ImportanceMode::kZero;
-  int64_t m_star = 0;
-  double lambda = 0.0, pz = 0.0;
-  if (npos <= Q) {
-    pz = n > npos ? static_cast<double>(Q - npos) / static_cast<double>(n - npos) : 0.0;
-  } else {
-    mode = core::ImportanceMode::kWater;
+  core::ImportancePlan plan = core::zero_weight_plan(n, npos, Q);
+  if (npos > Q) {
     double total = 0.0;
     for (int64_t i = lo; i < hi; ++i) total += w(n - 1 - i);
     const double base = chunk_base(total, lane);
@@ -195,13 +182,13 @@ __global__ void importance_probs_kernel(const float* __restrict__ score_P,
       const int64_t m = n - 1 - i;
       if (m < Q && (m == Q - 1 || core::water_level_feasible(x, m, Q, T))) { cand = m; cand_T = T; }
     }
-    m_star = warp_min(cand);
+    const int64_t m_star = warp_min(cand);
     const unsigned owner_mask = __ballot_sync(kFullMask, cand == m_star);
     cand_T = __shfl_sync(kFullMask, cand_T, __ffs(owner_mask) - 1);
-    lambda = static_cast<double>(Q - m_star) / cand_T;
+    plan = core::water_plan(m_star, Q, cand_T);
   }
   for (int64_t j = lane; j < n; j += 32)
-    p_P[srow[j]] = core::inclusion_probability(mode, j, w(j), m_star, lambda, pz);
+    p_P[srow[j]] = core::inclusion_probability(plan, j, w(j));
   __syncwarp();
 
   double total = 0.0;
@@ -221,7 +208,7 @@ __global__ void importance_points_kernel(const double* __restrict__ C_P,
                                          const int32_t* __restrict__ kept_offsets_E,
                                          int64_t E, int64_t P, int64_t R, uint64_t seed,
                                          uint64_t* __restrict__ point_R) {
-  const int64_t s = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t s = thread_index();
   if (s >= R) return;
   const int64_t e = owner(kept_offsets_E, E, s);
   if (e >= E) { point_R[s] = (static_cast<uint64_t>(E) << 32) | 0x80000000ull; return; }
@@ -247,7 +234,7 @@ __global__ void importance_write_kernel(const uint64_t* __restrict__ point_max_R
                                         int32_t* __restrict__ kept_pair_R,
                                         int32_t* __restrict__ pair_kept_P,
                                         float* __restrict__ kept_scale_R) {
-  const int64_t s = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t s = thread_index();
   if (s >= R) return;
   const int64_t e = owner(kept_offsets_E, E, s);
   if (e >= E) return;  // inconsistent quota sum: slot stays row 0, scale 1
@@ -281,17 +268,6 @@ __global__ void retained_mass_kernel(const float* __restrict__ score_P, int64_t 
 }
 
 // ---------------------------------------------------------------- host side
-// cub's two-phase calls with temporary storage from the caching allocator.
-template <typename F>
-void with_cub_temp(const at::Tensor& like, F call) {
-  size_t bytes = 0;
-  C10_CUDA_CHECK(call(nullptr, bytes));
-  at::Tensor tmp = at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
-  C10_CUDA_CHECK(call(tmp.data_ptr(), bytes));
-}
-
-inline int blocks_for(int64_t n, int threads) { return static_cast<int>((n + threads - 1) / threads); }
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> select_cuda(
     const at::Tensor& score, const at::Tensor& row_pair, const at::Tensor& offsets,
     const at::Tensor& quota, int64_t num_retained, c10::string_view selection_name, int64_t seed) {

@@ -33,8 +33,7 @@ swiglu_kernel(const scalar_t* __restrict__ h_N2I, scalar_t* __restrict__ phi_NI,
   using V = Vec<scalar_t, VEC>;
   const int lane = threadIdx.x % kWarp;
   const int64_t nvec = I / VEC;
-  for (int64_t n = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarp; n < N;
-       n += static_cast<int64_t>(gridDim.x) * kRowWarps) {
+  for (int64_t n = warp_row(); n < N; n += warp_row_stride()) {
     const V* gate = reinterpret_cast<const V*>(h_N2I + n * 2 * I);
     const V* up = reinterpret_cast<const V*>(h_N2I + n * 2 * I + I);
     V* phi = reinterpret_cast<V*>(phi_NI + n * I);
@@ -64,8 +63,7 @@ swiglu_backward_kernel(const scalar_t* __restrict__ dphi_NI, const scalar_t* __r
   using V = Vec<scalar_t, VEC>;
   const int lane = threadIdx.x % kWarp;
   const int64_t nvec = I / VEC;
-  for (int64_t n = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarp; n < N;
-       n += static_cast<int64_t>(gridDim.x) * kRowWarps) {
+  for (int64_t n = warp_row(); n < N; n += warp_row_stride()) {
     const V* gate = reinterpret_cast<const V*>(h_N2I + n * 2 * I);
     const V* up = reinterpret_cast<const V*>(h_N2I + n * 2 * I + I);
     const V* dphi = reinterpret_cast<const V*>(dphi_NI + n * I);
@@ -103,13 +101,10 @@ std::tuple<at::Tensor, at::Tensor> swiglu_cuda(const at::Tensor& h) {
     const scalar_t* hp = h_N2I.const_data_ptr<scalar_t>();
     scalar_t* pp = phi_NI.data_ptr<scalar_t>();
     float* sq = phi_sq_N.data_ptr<float>();
-    constexpr int kVec = 16 / sizeof(scalar_t);
-    if (vec_width<scalar_t>(I, {hp, pp}) == kVec) {
-      swiglu_kernel<scalar_t, kVec><<<row_blocks(N), kRowThreads, 0, stream>>>(hp, pp, sq, N, I);
-    } else {
-      swiglu_kernel<scalar_t, 1><<<row_blocks(N), kRowThreads, 0, stream>>>(hp, pp, sq, N, I);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_vectorized<scalar_t>(I, {hp, pp}, [&](auto vec) {
+      constexpr int VEC = decltype(vec)::value;
+      swiglu_kernel<scalar_t, VEC><<<row_blocks(N), kRowThreads, 0, stream>>>(hp, pp, sq, N, I);
+    });
   });
   return {phi_NI, phi_sq_N};
 }
@@ -129,15 +124,11 @@ at::Tensor swiglu_backward_cuda(const at::Tensor& grad_phi, const at::Tensor& h)
     const scalar_t* hp = h_N2I.const_data_ptr<scalar_t>();
     const scalar_t* dp = dphi_NI.const_data_ptr<scalar_t>();
     scalar_t* op = grad_h_N2I.data_ptr<scalar_t>();
-    constexpr int kVec = 16 / sizeof(scalar_t);
-    if (vec_width<scalar_t>(I, {hp, dp, op}) == kVec) {
-      swiglu_backward_kernel<scalar_t, kVec><<<row_blocks(N), kRowThreads, 0, stream>>>(
+    launch_vectorized<scalar_t>(I, {hp, dp, op}, [&](auto vec) {
+      constexpr int VEC = decltype(vec)::value;
+      swiglu_backward_kernel<scalar_t, VEC><<<row_blocks(N), kRowThreads, 0, stream>>>(
           dp, hp, op, N, I);
-    } else {
-      swiglu_backward_kernel<scalar_t, 1><<<row_blocks(N), kRowThreads, 0, stream>>>(
-          dp, hp, op, N, I);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
   return grad_h_N2I;
 }

@@ -18,10 +18,11 @@ import torch
 
 from lrmoe import ops
 
+from _refs import I32, grouped_mm_k_ref, grouped_mm_rows_ref, routing
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-I32 = torch.int32
 DEV = "cuda"
 
 
@@ -35,14 +36,6 @@ def no_sync():
         yield
     finally:
         torch.cuda.set_sync_debug_mode(prev)
-
-
-def routing(expert_ids: torch.Tensor, num_experts: int):
-    """row_pair (P,), tokens_per_expert (E,), offsets (E,) inclusive ends -- plain torch."""
-    flat = expert_ids.reshape(-1).long()
-    row_pair = torch.argsort(flat, stable=True).to(I32)
-    counts = torch.bincount(flat, minlength=num_experts)
-    return row_pair, counts.to(I32), torch.cumsum(counts, 0).to(I32)
 
 
 def random_expert_ids(gen, T, K, E, empty=(), skew=False):
@@ -86,6 +79,33 @@ def test_score_cuda_non_contiguous_and_unaligned():
     cpu = ops.score(grad_out.cpu(), weights.cpu(), phi_sq.cpu(), row_pair, "lrm")
     torch.testing.assert_close(out.cpu(), cpu, rtol=1e-5, atol=0)
 
+
+
+@pytest.mark.parametrize("metric", ["lrm", "grad_abs"])
+def test_score_cuda_contiguous_but_misaligned_grad_out(metric):
+    # .contiguous() keeps a contiguous view whose base is off 16 bytes: the token-norm
+    # kernel must take its scalar path (an 8-element bf16 vector load would fault).
+    gen = torch.Generator().manual_seed(10)
+    T, K, H, E = 129, 3, 64, 8
+    flat = torch.randn(T * H + 1, generator=gen).to(torch.bfloat16).to(DEV)
+    grad_out = flat[1:].view(T, H)
+    assert grad_out.is_contiguous() and grad_out.data_ptr() % 16 != 0
+    weights = torch.rand(T, K, generator=gen).to(DEV)
+    phi_sq = torch.rand(T * K, generator=gen).to(DEV)
+    row_pair, _, _ = routing(random_expert_ids(gen, T, K, E), E)
+    out = ops.score(grad_out, weights, phi_sq, row_pair.to(DEV), metric)
+    cpu = ops.score(grad_out.cpu(), weights.cpu(), phi_sq.cpu(), row_pair, metric)
+    torch.testing.assert_close(out.cpu(), cpu, rtol=1e-5, atol=0)
+
+
+def test_score_cuda_float8_grad_out_names_the_argument():
+    gen = torch.Generator().manual_seed(43)
+    T, K, H = 5, 2, 16
+    g8 = torch.randn(T, H, generator=gen).to(torch.float8_e4m3fn).to(DEV)
+    w, phi = torch.rand(T, K, generator=gen).to(DEV), torch.rand(T * K, generator=gen).to(DEV)
+    rp = torch.randperm(T * K, generator=gen).to(I32).to(DEV)
+    with pytest.raises(RuntimeError, match="grad_out must be float32, bfloat16, float16 or float64"):
+        ops.score(g8, w, phi, rp, "lrm")
 
 # --------------------------------------------------------------------------- quota
 @pytest.mark.parametrize("rule", ["proportional", "water_level"])
@@ -188,24 +208,6 @@ def test_select_cuda_deterministic():
 
 
 # --------------------------------------------------------------------------- grouped_mm
-def reference_rows(a, b, offsets):
-    out = torch.zeros(a.shape[0], b.shape[2], dtype=torch.float64)
-    start = 0
-    for e, end in enumerate(offsets.tolist()):
-        out[start:end] = a[start:end].double().cpu() @ b[e].double().cpu()
-        start = end
-    return out
-
-
-def reference_k(a, b, offsets):
-    out = torch.zeros(offsets.numel(), a.shape[0], b.shape[1], dtype=torch.float64)
-    start = 0
-    for e, end in enumerate(offsets.tolist()):
-        out[e] = a[:, start:end].double().cpu() @ b[start:end].double().cpu()
-        start = end
-    return out
-
-
 def bf16_close(out, ref):
     # bf16 inputs are exact in the reference; the error is the bf16 rounding of the output
     # (2^-9 relative) plus fp32 accumulation, tiny next to the largest entry
@@ -229,7 +231,7 @@ def test_grouped_mm_rows_cuda_bf16(sizes, transpose_b):
     with no_sync():  # aligned bf16 on sm90: the fused kernel, no host sync
         out = ops.grouped_mm(a, b, offsets)
     assert out.shape == (M, N) and out.dtype == torch.bfloat16
-    bf16_close(out, reference_rows(a, b, offsets.cpu()))
+    bf16_close(out, grouped_mm_rows_ref(a, b, offsets.cpu()))
 
 
 @pytest.mark.parametrize("sizes", [[5, 0, 17, 0, 15], [64] * 4, [0, 300, 1, 7, 0, 33]])
@@ -243,7 +245,7 @@ def test_grouped_mm_k_groups_cuda_bf16(sizes):
     with no_sync():
         out = ops.grouped_mm(a, b, offsets)
     assert out.shape == (len(sizes), M, N)
-    ref = reference_k(a, b, offsets.cpu())
+    ref = grouped_mm_k_ref(a, b, offsets.cpu())
     bf16_close(out, ref)
     for e, s in enumerate(sizes):
         if s == 0:
@@ -260,7 +262,7 @@ def test_grouped_mm_cuda_loop_path(dtype):
     a = torch.randn(M, K, generator=gen).to(dtype).to(DEV)
     b = torch.randn(len(sizes), K, N, generator=gen).to(dtype).to(DEV)
     out = ops.grouped_mm(a, b, offsets)
-    ref = reference_rows(a, b, offsets.cpu())
+    ref = grouped_mm_rows_ref(a, b, offsets.cpu())
     if dtype == torch.float32:
         torch.testing.assert_close(out.double().cpu(), ref, rtol=1e-4, atol=1e-4)
     else:

@@ -18,32 +18,18 @@ Legend: T tokens, K top_k, P = T*K pairs, E experts, N rows, H hidden, I interme
 """
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 
 from lrmoe import ops
 
+from _refs import EPS, FLOATS, TINY, case_gen, randn
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 DEV = "cuda"
-FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-EPS = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11,
-       torch.float64: 2.0**-53}
-TINY = {torch.float32: 2.0**-149, torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24,
-        torch.float64: 2.0**-1074}
 U32 = EPS[torch.float32]
-
-
-def _gen(*key) -> torch.Generator:
-    """A CPU generator seeded from the test case: each case gets its own data."""
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def _randn(shape, dtype, g, scale=1.0):
-    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype)
 
 
 def _both(x):
@@ -79,7 +65,7 @@ PERMUTE_CASES = {
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
 def test_permute_cuda_matches_cpu(name, id_dtype):
     T, K, E = PERMUTE_CASES[name]
-    g = _gen("permute", name, id_dtype)
+    g = case_gen("permute", name, id_dtype)
     ids = _skewed_ids(g, T, K, E, empty=(0, E // 2) if E > 2 else ()).to(id_dtype)
     cpu = ops.permute(ids, E)
     gpu = ops.permute(ids.to(DEV), E)
@@ -98,7 +84,7 @@ def test_permute_cuda_matches_cpu(name, id_dtype):
 
 @pytest.mark.parametrize("pattern", ["all_one_expert", "top_k_equals_E", "one_expert"])
 def test_permute_cuda_patterns(pattern):
-    g = _gen("permute_pat", pattern)
+    g = case_gen("permute_pat", pattern)
     if pattern == "all_one_expert":
         ids, E = torch.full((3000, 2), 5, dtype=torch.int64), 8
     elif pattern == "top_k_equals_E":
@@ -117,7 +103,7 @@ def test_permute_cuda_empty_and_noncontiguous():
     assert [t.shape[0] for t in out] == [0, 0, 4, 4]
     assert torch.equal(out[2].cpu(), torch.zeros(4, dtype=torch.int32))
     assert torch.equal(out[3].cpu(), torch.zeros(4, dtype=torch.int32))
-    g = _gen("permute_nc")
+    g = case_gen("permute_nc")
     ids_KT = torch.randint(0, 11, (3, 2999), generator=g, dtype=torch.int32)
     cpu = ops.permute(ids_KT.t(), 11)
     gpu = ops.permute(ids_KT.to(DEV).t(), 11)
@@ -126,7 +112,7 @@ def test_permute_cuda_empty_and_noncontiguous():
 
 
 def test_permute_cuda_deterministic():
-    g = _gen("permute_det")
+    g = case_gen("permute_det")
     ids = _skewed_ids(g, 50000, 8, 512).to(DEV)
     first = ops.permute(ids, 512)
     for _ in range(3):
@@ -143,8 +129,8 @@ def test_permute_cuda_deterministic():
                                           (100, 24, 1, 1), (64, 130, 500, 1)])
 @pytest.mark.parametrize("with_scale", [False, True])
 def test_gather_rows_cuda_matches_cpu(dtype, N, C, R, divisor, with_scale):
-    g = _gen("gather", dtype, N, C, R, divisor, with_scale)
-    src, src_d = _both(_randn((N, C), dtype, g))
+    g = case_gen("gather", dtype, N, C, R, divisor, with_scale)
+    src, src_d = _both(randn((N, C), dtype, g))
     index, index_d = _both(torch.randint(0, N * divisor, (R,), generator=g, dtype=torch.int32))
     scale = torch.rand(R, generator=g) + 0.5 if with_scale else None
     scale_d = scale.to(DEV) if with_scale else None
@@ -157,16 +143,16 @@ def test_gather_rows_cuda_matches_cpu(dtype, N, C, R, divisor, with_scale):
 
 
 def test_gather_rows_cuda_misaligned_and_strided():
-    g = _gen("gather_misaligned")
+    g = case_gen("gather_misaligned")
     N, C = 300, 64
     # contiguous but 2 bytes off a 16-byte boundary: the scalar path
-    flat = _randn((N * C + 1,), torch.bfloat16, g).to(DEV)
+    flat = randn((N * C + 1,), torch.bfloat16, g).to(DEV)
     src_d = flat[1:].view(N, C)
     assert src_d.is_contiguous() and src_d.data_ptr() % 16 != 0
     index_d = torch.randint(0, N, (1000,), generator=g, dtype=torch.int32).to(DEV)
     assert torch.equal(ops.gather_rows(src_d, index_d, None, 1), src_d[index_d.long()])
     # strided views: transposed source, every other index, strided scale
-    big = _randn((C, 2 * N), torch.float32, g)
+    big = randn((C, 2 * N), torch.float32, g)
     src = big.t()[::2]
     idx_big = torch.randint(0, N, (2000,), generator=g, dtype=torch.int32)
     sc_big = torch.rand(2000, generator=g) + 0.5
@@ -206,8 +192,8 @@ def _routed(g, T, K, E, drop_frac):
 def test_combine_cuda_matches_cpu_exactly(dtype, T, K, E, H, with_weights, drop):
     if dtype == torch.float64 and H == 2048 and not with_weights:
         pytest.skip("covered by the weighted float64 case")
-    g = _gen("combine", dtype, T, K, E, H, with_weights, drop)
-    y, y_d = _both(_randn((T * K, H), dtype, g))
+    g = case_gen("combine", dtype, T, K, E, H, with_weights, drop)
+    y, y_d = _both(randn((T * K, H), dtype, g))
     pair_row = _routed(g, T, K, E, drop)
     w = torch.rand(T, K, generator=g) if with_weights else None
     cpu = ops.combine(y, pair_row, w, K)
@@ -225,9 +211,9 @@ def test_combine_cuda_matches_cpu_exactly(dtype, T, K, E, H, with_weights, drop)
 
 
 def test_combine_cuda_noncontiguous_weights_and_y():
-    g = _gen("combine_nc")
+    g = case_gen("combine_nc")
     T, K, E, H = 37, 3, 5, 64
-    y = _randn((H, T * K), torch.bfloat16, g).t()  # (N, H) transposed view
+    y = randn((H, T * K), torch.bfloat16, g).t()  # (N, H) transposed view
     pair_row = _routed(g, T, K, E, 0.2)
     w = torch.rand(K, T, generator=g).t()
     cpu = ops.combine(y, pair_row, w, K)
@@ -242,9 +228,9 @@ def test_combine_cuda_noncontiguous_weights_and_y():
 @pytest.mark.parametrize("T,K,E,H", [(4096, 8, 128, 2048), (37, 3, 5, 67), (1, 6, 6, 128),
                                      (300, 2, 16, 9)])
 def test_routing_weight_grad_cuda(dtype, T, K, E, H):
-    g = _gen("rwg", dtype, T, K, E, H)
-    grad_out, grad_out_d = _both(_randn((T, H), dtype, g))
-    y, y_d = _both(_randn((T * K, H), dtype, g))
+    g = case_gen("rwg", dtype, T, K, E, H)
+    grad_out, grad_out_d = _both(randn((T, H), dtype, g))
+    y, y_d = _both(randn((T * K, H), dtype, g))
     pair_row = _routed(g, T, K, E, 0.2)
     cpu = ops.routing_weight_grad(grad_out, y, pair_row, K)
     gpu = ops.routing_weight_grad(grad_out_d, y_d, pair_row.to(DEV), K)
@@ -271,8 +257,8 @@ def _swiglu_tol(dtype):
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("N,I", [(32768, 768), (37, 24), (5, 7), (1, 1408)])
 def test_swiglu_cuda(dtype, N, I):
-    g = _gen("swiglu", dtype, N, I)
-    h, h_d = _both(_randn((N, 2 * I), dtype, g, scale=3.0))
+    g = case_gen("swiglu", dtype, N, I)
+    h, h_d = _both(randn((N, 2 * I), dtype, g, scale=3.0))
     phi_c, sq_c = ops.swiglu(h)
     phi, sq = ops.swiglu(h_d)
     assert phi.dtype == dtype and phi.shape == (N, I) and sq.dtype == torch.float32
@@ -292,9 +278,9 @@ def test_swiglu_cuda(dtype, N, I):
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("N,I", [(32768, 768), (37, 24), (5, 7)])
 def test_swiglu_backward_cuda(dtype, N, I):
-    g = _gen("swiglu_bwd", dtype, N, I)
-    h, h_d = _both(_randn((N, 2 * I), dtype, g, scale=3.0))
-    dphi, dphi_d = _both(_randn((N, I), dtype, g))
+    g = case_gen("swiglu_bwd", dtype, N, I)
+    h, h_d = _both(randn((N, 2 * I), dtype, g, scale=3.0))
+    dphi, dphi_d = _both(randn((N, I), dtype, g))
     gpu = ops.swiglu_backward(dphi_d, h_d)
     cpu = ops.swiglu_backward(dphi, h)
     assert gpu.dtype == dtype and gpu.shape == (N, 2 * I)
@@ -313,9 +299,9 @@ def test_swiglu_backward_cuda(dtype, N, I):
 
 
 def test_swiglu_cuda_noncontiguous_and_misaligned():
-    g = _gen("swiglu_nc")
+    g = case_gen("swiglu_nc")
     N, I = 301, 64
-    h = _randn((N, 2 * I + 2), torch.bfloat16, g)[:, 1 : 1 + 2 * I]
+    h = randn((N, 2 * I + 2), torch.bfloat16, g)[:, 1 : 1 + 2 * I]
     phi_c, _ = ops.swiglu(h)
     phi, _ = ops.swiglu(h.to(DEV))
     gate, up = h.to(DEV).double().chunk(2, dim=1)
@@ -325,7 +311,7 @@ def test_swiglu_cuda_noncontiguous_and_misaligned():
     assert torch.all((phi.cpu().double() - phi_c.double()).abs() <= 2 * tol * want.abs().cpu()
                      + 2 * TINY[torch.bfloat16])
     # a contiguous but misaligned h takes the scalar path
-    flat = _randn((N * 2 * I + 1,), torch.bfloat16, g).to(DEV)
+    flat = randn((N * 2 * I + 1,), torch.bfloat16, g).to(DEV)
     h_mis = flat[1:].view(N, 2 * I)
     phi_mis, sq_mis = ops.swiglu(h_mis)
     phi_ref, sq_ref = ops.swiglu(h_mis.clone())  # aligned copy: the vector path

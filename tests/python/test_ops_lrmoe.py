@@ -16,19 +16,11 @@ import torch
 
 from lrmoe import ops
 
-I32 = torch.int32
-MASK64 = (1 << 64) - 1
+from _refs import I32, grouped_mm_k_ref, grouped_mm_rows_ref, routing
+from conftest import ref_uniform01
 
 
 # --------------------------------------------------------------------------- helpers
-def routing(expert_ids: torch.Tensor, num_experts: int):
-    """row_pair (P,) int32, tokens_per_expert (E,), offsets (E,) inclusive ends."""
-    flat = expert_ids.reshape(-1).long()
-    row_pair = torch.argsort(flat, stable=True).to(I32)
-    counts = torch.bincount(flat, minlength=num_experts)
-    return row_pair, counts.to(I32), torch.cumsum(counts, 0).to(I32)
-
-
 def random_routing(gen, T, K, E, empty=(), skew=False):
     """Random (T, K) expert ids (distinct per token when K <= usable experts)."""
     usable = [e for e in range(E) if e not in set(empty)]
@@ -37,18 +29,6 @@ def random_routing(gen, T, K, E, empty=(), skew=False):
         w = torch.rand(len(usable), generator=gen, dtype=torch.float64) ** 4 + 1e-3
     idx = torch.stack([torch.multinomial(w, K, replacement=False, generator=gen) for _ in range(T)])
     return torch.tensor(usable)[idx]
-
-
-def splitmix64(z: int) -> int:
-    z = (z + 0x9E3779B97F4A7C15) & MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-    return z ^ (z >> 31)
-
-
-def uniform01(seed: int, stream: int, index: int) -> float:
-    h = splitmix64(splitmix64((seed ^ (stream << 56)) & MASK64) ^ index)
-    return (h >> 40) / 16777216.0
 
 
 # --------------------------------------------------------------------------- score
@@ -105,7 +85,7 @@ def test_score_random_matches_python_splitmix_and_is_uniform():
     out = ops.score(grad_out, weights, phi_sq, row_pair, "random", seed)
     # exact against a pure-Python splitmix64, keyed by pair id (not row)
     for r in range(0, T * K, 997):
-        assert out[r].item() == uniform01(seed, 1, int(row_pair[r]))
+        assert out[r].item() == ref_uniform01(seed, 1, int(row_pair[r]))
     # reproducible, seed-dependent, and a function of the pair id only
     assert torch.equal(out, ops.score(grad_out, weights, phi_sq, row_pair, "random", seed))
     other = ops.score(grad_out, weights, phi_sq, row_pair, "random", seed + 1)
@@ -143,6 +123,19 @@ def test_score_bad_inputs():
     bad[3] = T * K
     with pytest.raises(RuntimeError, match=r"row_pair\[3\]"):
         ops.score(g, w, phi, bad, "lrm")
+
+
+@pytest.mark.parametrize("metric", ["lrm", "grad_sq", "grad_abs"])
+def test_score_float8_grad_out_names_the_argument(metric):
+    # float8 is floating point but not one of the dispatched dtypes: the message must
+    # name grad_out and the fix, not surface as a dispatch error of an inner kernel.
+    gen = torch.Generator().manual_seed(41)
+    T, K, H = 5, 2, 8
+    g8 = torch.randn(T, H, generator=gen).to(torch.float8_e4m3fn)
+    w, phi = torch.rand(T, K, generator=gen), torch.rand(T * K, generator=gen)
+    rp = torch.randperm(T * K, generator=gen).to(I32)
+    with pytest.raises(RuntimeError, match="grad_out must be float32, bfloat16, float16 or float64"):
+        ops.score(g8, w, phi, rp, metric)
 
 
 # --------------------------------------------------------------------------- quota
@@ -467,24 +460,6 @@ def test_select_bad_inputs():
 
 
 # --------------------------------------------------------------------------- grouped_mm
-def grouped_reference_rows(a, b, offsets):
-    out = torch.zeros(a.shape[0], b.shape[2], dtype=torch.float64)
-    start = 0
-    for e, end in enumerate(offsets.tolist()):
-        out[start:end] = a[start:end].double() @ b[e].double()
-        start = end
-    return out
-
-
-def grouped_reference_k(a, b, offsets):
-    out = torch.zeros(offsets.numel(), a.shape[0], b.shape[1], dtype=torch.float64)
-    start = 0
-    for e, end in enumerate(offsets.tolist()):
-        out[e] = a[:, start:end].double() @ b[start:end].double()
-        start = end
-    return out
-
-
 def tol(dtype):
     return dict(rtol=2e-2, atol=2e-2) if dtype in (torch.bfloat16, torch.float16) else \
         dict(rtol=1e-5, atol=1e-5)
@@ -512,14 +487,14 @@ def test_grouped_mm_rows(dtype, transpose_b):
     out = ops.grouped_mm(a, b, offsets)
     assert out.shape == (M, N) and out.dtype == dtype
     assert out.stride() == padded_strides((M, N), dtype)
-    torch.testing.assert_close(out.double(), grouped_reference_rows(a, b, offsets), **tol(dtype))
+    torch.testing.assert_close(out.double(), grouped_mm_rows_ref(a, b, offsets), **tol(dtype))
 
 
 def test_grouped_mm_rows_past_last_offset_are_zero():
     a, b = torch.randn(10, 8), torch.randn(2, 8, 4)
     out = ops.grouped_mm(a, b, torch.tensor([3, 6], dtype=I32))
     assert torch.equal(out[6:], torch.zeros(4, 4))
-    torch.testing.assert_close(out[:6].double(), grouped_reference_rows(a, b, torch.tensor([3, 6]))[:6],
+    torch.testing.assert_close(out[:6].double(), grouped_mm_rows_ref(a, b, torch.tensor([3, 6]))[:6],
                                rtol=1e-5, atol=1e-5)
 
 
@@ -538,7 +513,7 @@ def test_grouped_mm_k_groups(dtype, transpose_a):
     out = ops.grouped_mm(a, b, offsets)
     assert out.shape == (len(sizes), M, N)
     assert out.stride() == padded_strides((len(sizes), M, N), dtype)
-    ref = grouped_reference_k(a, b, offsets)
+    ref = grouped_mm_k_ref(a, b, offsets)
     torch.testing.assert_close(out.double(), ref, **tol(dtype))
     for e, s in enumerate(sizes):
         if s == 0:

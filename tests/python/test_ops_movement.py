@@ -8,30 +8,12 @@ I expert intermediate size.
 """
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 
 from lrmoe import ops
 
-FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-# unit roundoff of each dtype (half an ulp at 1.0)
-EPS = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11,
-       torch.float64: 2.0**-53}
-# absolute rounding floor where results fall into the dtype's subnormal range
-TINY = {torch.float32: 2.0**-149, torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24,
-        torch.float64: 2.0**-1074}
-
-
-def _gen(*key) -> torch.Generator:
-    """A generator seeded from the test case, so each case gets its own data."""
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def _randn(shape, dtype, g, scale=1.0):
-    x = torch.randn(shape, generator=g, dtype=torch.float64) * scale
-    return x.to(dtype)
+from _refs import EPS, FLOATS, TINY, case_gen, randn
 
 
 # ----------------------------------------------------------------------------------
@@ -99,7 +81,7 @@ PERMUTE_KINDS = ["random", "zero_token_experts", "all_one_expert", "single_token
 @pytest.mark.parametrize("kind", PERMUTE_KINDS)
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
 def test_permute_matches_bruteforce(kind, id_dtype):
-    ids, E = _permute_case(kind, _gen("permute", kind, id_dtype))
+    ids, E = _permute_case(kind, case_gen("permute", kind, id_dtype))
     ids = ids.to(id_dtype)
     got = ops.permute(ids, E)
     want = _ref_permute(ids, E)
@@ -116,7 +98,7 @@ def test_permute_matches_bruteforce(kind, id_dtype):
 
 
 def test_permute_noncontiguous_ids():
-    g = _gen("permute_nc")
+    g = case_gen("permute_nc")
     E = 6
     ids_KT = torch.randint(0, E, (3, 29), generator=g, dtype=torch.int32)
     ids_TK = ids_KT.t()  # (T, K) view with strides (1, T)
@@ -159,9 +141,9 @@ def _ref_gather(src, index, scale, divisor):
 @pytest.mark.parametrize("divisor", [1, 3])
 @pytest.mark.parametrize("C", [64, 37, 1])
 def test_gather_rows(dtype, with_scale, divisor, C):
-    g = _gen("gather", dtype, with_scale, divisor, C)
+    g = case_gen("gather", dtype, with_scale, divisor, C)
     N, R = 23, 41
-    src = _randn((N, C), dtype, g)
+    src = randn((N, C), dtype, g)
     index = torch.randint(0, N * divisor, (R,), generator=g, dtype=torch.int32)
     scale = (torch.rand(R, generator=g) + 0.5) if with_scale else None
     out = ops.gather_rows(src, index, scale, divisor)
@@ -176,8 +158,8 @@ def test_gather_rows(dtype, with_scale, divisor, C):
 
 
 def test_gather_rows_noncontiguous_and_empty():
-    g = _gen("gather_nc")
-    big = _randn((40, 30), torch.bfloat16, g)
+    g = case_gen("gather_nc")
+    big = randn((40, 30), torch.bfloat16, g)
     src = big.t()[:, ::2]  # (30, 20) with strides (1, 60)
     idx_big = torch.randint(0, 30, (50,), generator=g, dtype=torch.int32)
     index = idx_big[::2]
@@ -250,9 +232,9 @@ def _routing(g, T, K, N, drop_frac=0.0):
 @pytest.mark.parametrize("with_weights", [True, False])
 @pytest.mark.parametrize("drop", [0.0, 0.3])
 def test_combine(dtype, T, K, H, with_weights, drop):
-    g = _gen("combine", dtype, T, K, H, with_weights, drop)
+    g = case_gen("combine", dtype, T, K, H, with_weights, drop)
     N = T * K + 5
-    y = _randn((N, H), dtype, g)
+    y = randn((N, H), dtype, g)
     pair_row = _routing(g, T, K, N, drop)
     weights = torch.rand(T, K, generator=g) if with_weights else None
     out = ops.combine(y, pair_row, weights, K)
@@ -264,18 +246,18 @@ def test_combine(dtype, T, K, H, with_weights, drop):
 
 
 def test_combine_all_dropped_token_is_zero():
-    g = _gen("combine_zero")
-    y = _randn((6, 8), torch.float32, g)
+    g = case_gen("combine_zero")
+    y = randn((6, 8), torch.float32, g)
     pair_row = torch.tensor([0, 1, -1, -1, 2, 3], dtype=torch.int32)
     out = ops.combine(y, pair_row, torch.rand(3, 2, generator=g), 2)
     assert torch.equal(out[1], torch.zeros(8))
 
 
 def test_combine_noncontiguous():
-    g = _gen("combine_nc")
+    g = case_gen("combine_nc")
     T, K, H = 37, 3, 48
     N = T * K
-    y = _randn((H, 2 * N), torch.bfloat16, g).t()[::2]  # (N, H), strides (2, 2N)
+    y = randn((H, 2 * N), torch.bfloat16, g).t()[::2]  # (N, H), strides (2, 2N)
     pr_big = _routing(g, 2 * T, K, 2 * N)
     pair_row = pr_big[::2]
     weights = torch.rand(K, T, generator=g).t()
@@ -290,9 +272,9 @@ def test_combine_noncontiguous():
 
 def test_permute_gather_combine_roundtrip():
     """Dispatch x to expert order and combine back with weights 1/K: x again."""
-    g = _gen("roundtrip")
+    g = case_gen("roundtrip")
     T, K, E, H = 37, 3, 5, 16
-    x = _randn((T, H), torch.float64, g)
+    x = randn((T, H), torch.float64, g)
     ids = torch.randint(0, E, (T, K), generator=g)
     ids[:, 0] = 2  # make sure some expert has several
     row_pair, pair_row, n_E, offs_E = ops.permute(ids, E)
@@ -350,10 +332,10 @@ def _rwg_tol(dtype, H):
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("T,K,H", [(37, 3, 64), (1, 5, 33), (12, 8, 256)])
 def test_routing_weight_grad(dtype, T, K, H):
-    g = _gen("rwg", dtype, T, K, H)
+    g = case_gen("rwg", dtype, T, K, H)
     N = T * K + 3
-    grad_out = _randn((T, H), dtype, g)
-    y = _randn((N, H), dtype, g)
+    grad_out = randn((T, H), dtype, g)
+    y = randn((N, H), dtype, g)
     pair_row = _routing(g, T, K, N, 0.25)
     out = ops.routing_weight_grad(grad_out, y, pair_row, K)
     assert out.dtype == torch.float32 and out.shape == (T, K)
@@ -363,11 +345,11 @@ def test_routing_weight_grad(dtype, T, K, H):
 
 
 def test_routing_weight_grad_noncontiguous():
-    g = _gen("rwg_nc")
+    g = case_gen("rwg_nc")
     T, K, H = 37, 3, 40
     N = T * K
-    grad_out = _randn((H, T), torch.bfloat16, g).t()
-    y = _randn((N, 2 * H), torch.bfloat16, g)[:, 1::2]
+    grad_out = randn((H, T), torch.bfloat16, g).t()
+    y = randn((N, 2 * H), torch.bfloat16, g)[:, 1::2]
     pair_row = _routing(g, 2 * T, K, 2 * N)[::2].clone()
     pair_row[pair_row >= N] = -1
     out = ops.routing_weight_grad(grad_out, y, pair_row, K)
@@ -418,8 +400,8 @@ def _swiglu_tol(dtype):
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("N,I", [(37, 24), (1, 768), (9, 7), (0, 16)])
 def test_swiglu(dtype, N, I):
-    g = _gen("swiglu", dtype, N, I)
-    h = _randn((N, 2 * I), dtype, g, scale=3.0)
+    g = case_gen("swiglu", dtype, N, I)
+    h = randn((N, 2 * I), dtype, g, scale=3.0)
     phi, phi_sq = ops.swiglu(h)
     assert phi.dtype == dtype and phi.shape == (N, I)
     assert phi_sq.dtype == torch.float32 and phi_sq.shape == (N,)
@@ -444,9 +426,9 @@ def test_swiglu_extreme_gate_values():
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("N,I", [(37, 24), (1, 768), (9, 7)])
 def test_swiglu_backward(dtype, N, I):
-    g = _gen("swiglu_bwd", dtype, N, I)
-    h = _randn((N, 2 * I), dtype, g, scale=3.0)
-    grad_phi = _randn((N, I), dtype, g)
+    g = case_gen("swiglu_bwd", dtype, N, I)
+    h = randn((N, 2 * I), dtype, g, scale=3.0)
+    grad_phi = randn((N, I), dtype, g)
     grad_h = ops.swiglu_backward(grad_phi, h)
     assert grad_h.dtype == dtype and grad_h.shape == (N, 2 * I)
     want = _ref_swiglu_backward(grad_phi, h)
@@ -461,10 +443,10 @@ def test_swiglu_backward(dtype, N, I):
 
 
 def test_swiglu_noncontiguous():
-    g = _gen("swiglu_nc")
+    g = case_gen("swiglu_nc")
     N, I = 37, 20
-    h = _randn((N, 2 * I + 6), torch.bfloat16, g)[:, 3 : 3 + 2 * I]
-    grad_phi = _randn((I, N), torch.bfloat16, g).t()
+    h = randn((N, 2 * I + 6), torch.bfloat16, g)[:, 3 : 3 + 2 * I]
+    grad_phi = randn((I, N), torch.bfloat16, g).t()
     assert not (h.is_contiguous() or grad_phi.is_contiguous())
     phi, _ = ops.swiglu(h)
     phi_c, _ = ops.swiglu(h.contiguous())
