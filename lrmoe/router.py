@@ -120,12 +120,34 @@ class Router(nn.Module):
         return Routing(logits_TE, weights_TK, expert_ids_TK, probs_TE)
 
 
+class _LowPrecisionLogits(torch.autograd.Function):
+    """logits = x W^T as one 16-bit GEMM with fp32 accumulation and fp32 output (CUDA
+    ``mm`` with ``out_dtype``, which has no autograd formula of its own). The backward
+    GEMMs take the fp32 logit gradient rounded to the activation dtype, as autograd does
+    for any 16-bit linear layer; dW comes out in fp32."""
+
+    @staticmethod
+    def forward(ctx, x_TH, weight_EH):
+        w16_EH = weight_EH.to(x_TH.dtype)
+        ctx.save_for_backward(x_TH, w16_EH)
+        ctx.weight_dtype = weight_EH.dtype
+        return torch.mm(x_TH, w16_EH.t(), out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad_TE):
+        x_TH, w16_EH = ctx.saved_tensors
+        g16_TE = grad_TE.to(x_TH.dtype)
+        grad_x = torch.mm(g16_TE, w16_EH) if ctx.needs_input_grad[0] else None
+        grad_w = (torch.mm(g16_TE.t(), x_TH, out_dtype=torch.float32).to(ctx.weight_dtype)
+                  if ctx.needs_input_grad[1] else None)
+        return grad_x, grad_w
+
+
 def _router_logits(x_TH: Tensor, weight_EH: Tensor) -> Tensor:
-    """(T, E) float32 logits. On CUDA with 16-bit activations: one 16-bit GEMM with fp32
-    accumulation and fp32 output (``mm`` with ``out_dtype``), instead of upcasting the
-    whole (T, H) activation; elsewhere a float32 GEMM."""
+    """(T, E) float32 logits. On CUDA with 16-bit activations one 16-bit GEMM with fp32
+    output instead of upcasting the whole (T, H) activation; elsewhere a float32 GEMM."""
     if x_TH.is_cuda and x_TH.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(x_TH, weight_EH.to(x_TH.dtype).t(), out_dtype=torch.float32)
+        return _LowPrecisionLogits.apply(x_TH, weight_EH)
     return F.linear(x_TH.float(), weight_EH.float())
 
 

@@ -5,12 +5,22 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <string>
 
 namespace lrmoe {
 
 // Every check names the argument and the fix, as users see these messages.
 #define LRMOE_CHECK(cond, ...) TORCH_CHECK(cond, "lrmoe: ", __VA_ARGS__)
+
+// Doubles go into messages through snprintf, never through an ostream: streaming a
+// double from this library crashed (SIGSEGV) under the lent GPU's torch 2.11 image,
+// while integers and strings streamed fine.
+inline std::string format_double(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.17g", v);
+  return buf;
+}
 
 inline void check_dim(const at::Tensor& t, int64_t dim, const char* name) {
   LRMOE_CHECK(t.dim() == dim, name, " must be ", dim, "-D, got shape ", t.sizes());

@@ -28,7 +28,7 @@ inline core::QuotaRule check_quota_args(const at::Tensor& n_E, double recalibrat
   check_int32(n_E, "tokens_per_expert");
   LRMOE_CHECK(std::isfinite(recalibration_rate) && recalibration_rate >= 0.0 &&
                   recalibration_rate < 1.0,
-              "recalibration_rate must be in [0, 1), got ", recalibration_rate,
+              "recalibration_rate must be in [0, 1), got ", format_double(recalibration_rate),
               " (0 keeps every pair; 0.3 drops 3 in 10 pairs from the expert backward)");
   return parse_quota_rule(rule);
 }

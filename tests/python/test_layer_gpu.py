@@ -130,3 +130,22 @@ def test_cuda_full_layer_has_no_host_sync(c):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert layer.router_logits.dtype == torch.float32
+
+
+def test_cuda_router_logits_and_gradients_bf16():
+    """The 16-bit router GEMM with fp32 output against float64 (logits, dx, dW)."""
+    from lrmoe.router import _router_logits
+    torch.manual_seed(0)
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(32, 256, device="cuda") * 0.05).requires_grad_()
+    g = torch.randn(512, 32, device="cuda")
+    logits = _router_logits(x, w)
+    assert logits.dtype == torch.float32
+    logits.backward(g)
+    xd = x.detach().double().requires_grad_()
+    wd = w.detach().to(torch.bfloat16).double().requires_grad_()
+    ref = xd @ wd.t()
+    ref.backward(g.double())
+    assert rel_err(logits, ref) < 1e-5  # exact bf16 products, fp32 sums
+    assert rel_err(x.grad, xd.grad) < BF16_TOL
+    assert rel_err(w.grad, wd.grad) < BF16_TOL
