@@ -112,8 +112,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"lrmoe {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print(f"lrmoe {args.command}: aborted (second Ctrl-C); no checkpoint written for the "
-              "current step", file=sys.stderr)
+        print(f"lrmoe {args.command}: aborted by Ctrl-C (nothing saved since the last "
+              "checkpoint)", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 

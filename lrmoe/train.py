@@ -343,7 +343,7 @@ def _preset_gpu_small() -> TrainConfig:
                           moe_intermediate_size=384, num_experts=64, num_experts_per_tok=8,
                           router_aux_loss_coef=0.01, max_position_embeddings=4096),
         vocab_size=16384, max_records=None, seq_len=1024, batch_size=16, grad_accum=1,
-        steps=2000, lr=1e-3, min_lr=1e-4, warmup_steps=100, eval_every=200, eval_batches=32,
+        steps=1500, lr=1e-3, min_lr=1e-4, warmup_steps=100, eval_every=100, eval_batches=32,
         log_every=1, save_every=500, out_dir="runs/gpu-small")
 
 
@@ -837,7 +837,7 @@ class _Progress:
 
     def __init__(self, mode: str, total: int, initial: int, log_every: int) -> None:
         if mode == "auto":
-            mode = "bar" if sys.stderr.isatty() else "lines"
+            mode = "bar" if sys.stderr.isatty() and _terminal_columns() >= 40 else "lines"
             every = max(log_every, total // 50)
         else:
             every = log_every
@@ -864,6 +864,13 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _terminal_columns() -> int:
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        return 0
 
 
 def _log(text: str) -> None:
@@ -1006,7 +1013,8 @@ class Trainer:
         self.device = _resolve_device(cfg.device)
         self.autocast_dtype = _resolve_autocast(cfg.dtype, self.device)
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            if self.device.index is not None:
+                torch.cuda.set_device(self.device)
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -1176,8 +1184,8 @@ class Trainer:
         self.request_stop()
         # a second Ctrl-C aborts at once
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        _log(f"Ctrl-C: finishing step {self.step + 1}, then saving a checkpoint "
-             "(Ctrl-C again to abort without saving)")
+        _log(f"Ctrl-C: stopping after the step in progress ({self.step} done) and saving a "
+             "checkpoint (Ctrl-C again aborts without saving)")
 
     # ------------------------------------------------------------------ the loop
     def _write_metrics(self, record: Mapping[str, Any]) -> None:

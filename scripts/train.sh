@@ -45,8 +45,9 @@ LRMOE="${LRMOE_VENV:-$ROOT/.venv}/bin/lrmoe"
 
 extra=()
 has_arg --resume "$@" || extra+=(--overwrite)
-log "setup took $(( $(now) - T0 )) s; starting: lrmoe train --preset tiny --recalibration-rate 0.2 --metric lrm ${extra[*]} $*"
+cmd=(train --preset tiny --recalibration-rate 0.2 --metric lrm "${extra[@]}" "$@")
+log "setup took $(( $(now) - T0 )) s; starting: lrmoe ${cmd[*]}"
 rc=0
-"$LRMOE" train --preset tiny --recalibration-rate 0.2 --metric lrm "${extra[@]}" "$@" || rc=$?
+"$LRMOE" "${cmd[@]}" || rc=$?
 log "finished in $(( $(now) - T0 )) s (exit $rc)"
 exit $rc

@@ -403,3 +403,32 @@ def test_cli_subprocess_ctrl_c_then_resume(tmp_path):
     train_steps = [r["step"] for r in T.read_metrics(metrics) if r["kind"] == "train"]
     assert train_steps == list(range(1, step + 3))
     assert "val ppl (last)" in res.stdout
+
+
+def test_bf16_autocast_on_cpu(tmp_path):
+    """dtype=bfloat16 runs the autocast path (as on CUDA) with float32 master weights."""
+    res = T.train(micro(tmp_path, dtype="bfloat16", steps=4, eval_every=0))
+    assert all(p.dtype == torch.float32 for p in res.model.parameters())
+    evals = [r for r in T.read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 4]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+
+
+@pytest.mark.gpu
+def test_train_and_resume_on_cuda(tmp_path):
+    """bf16 autocast on CUDA; resume continues the same curve (cuBLAS/attention kernels
+    need not be bitwise reproducible, so a tolerance)."""
+    straight = T.train(micro(tmp_path, "straight", device="cuda", dtype="auto"))
+    assert "peak_cuda_memory_gib" in straight.summary
+    T.train(micro(tmp_path, "resumed", device="cuda", steps=4, lr_decay_steps=8))
+    T.train(micro(tmp_path, "resumed", device="cuda"),
+            resume=T.find_checkpoint(None, tmp_path / "resumed"))
+    a = [r["loss"] for r in T.read_metrics(tmp_path / "straight" / "metrics.jsonl")
+         if r["kind"] == "train"]
+    b = [r["loss"] for r in T.read_metrics(tmp_path / "resumed" / "metrics.jsonl")
+         if r["kind"] == "train"]
+    assert len(a) == len(b) == 8
+    assert a[:4] == pytest.approx(b[:4], rel=1e-2) and a[4:] == pytest.approx(b[4:], rel=2e-2)
+    evals = [r for r in T.read_metrics(tmp_path / "straight" / "metrics.jsonl")
+             if r["kind"] == "eval"]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
