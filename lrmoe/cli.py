@@ -1,5 +1,5 @@
-"""The ``lrmoe`` command line: ``lrmoe train ...`` (more subcommands can be added to
-:func:`build_parser`).
+"""The ``lrmoe`` command line: ``lrmoe train ...``, and ``lrmoe bench layer ...`` where
+:mod:`lrmoe.bench` is installed (more subcommands go into :func:`build_parser`).
 
 Exit status: 0 on success, 2 on a usage or config error (the message names the setting),
 130 when a training run was stopped by Ctrl-C (after saving a checkpoint).
@@ -55,13 +55,38 @@ def _add_train_parser(sub: Any) -> None:
     p.set_defaults(func=_cmd_train)
 
 
+def _add_bench_parser(sub: Any) -> None:
+    """``lrmoe bench layer ...`` when :mod:`lrmoe.bench` is present."""
+    try:
+        from lrmoe.bench.cli import add_layer_arguments, run_layer
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").startswith("lrmoe.bench"):
+            return
+        raise
+    p = sub.add_parser("bench", help="benchmarks (lrmoe bench layer --help)")
+    benches = p.add_subparsers(dest="benchmark", metavar="BENCHMARK")
+    benches.required = True
+    layer = benches.add_parser(
+        "layer", help="one MoE layer: LRMoE against dropless and transformers baselines",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_layer_arguments(layer)
+
+    def _cmd_bench_layer(args: argparse.Namespace) -> int:
+        run_layer(args, args.raw_argv[2:])
+        return 0
+
+    layer.set_defaults(func=_cmd_bench_layer)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``lrmoe`` argument parser with its subcommands."""
+    """The ``lrmoe`` argument parser with its subcommands (``train``; ``bench layer``
+    where :mod:`lrmoe.bench` exists)."""
     parser = argparse.ArgumentParser(
         prog="lrmoe", description="LRMoE: exact-forward, planned-backward MoE training")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _add_train_parser(sub)
+    _add_bench_parser(sub)
     return parser
 
 
@@ -105,7 +130,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         The exit status (see the module docstring).
     """
     parser = build_parser()
-    args = parser.parse_args(list(argv) if argv is not None else None)
+    raw = list(argv) if argv is not None else sys.argv[1:]
+    args = parser.parse_args(raw)
+    args.raw_argv = raw
     try:
         return int(args.func(args))
     except (ValueError, FileNotFoundError, FileExistsError) as exc:

@@ -432,3 +432,12 @@ def test_train_and_resume_on_cuda(tmp_path):
     evals = [r for r in T.read_metrics(tmp_path / "straight" / "metrics.jsonl")
              if r["kind"] == "eval"]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+
+
+def test_cli_bench_subcommand_when_present():
+    pytest.importorskip("lrmoe.bench.cli")
+    from lrmoe.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "layer", "--smoke", "--out", "x"])
+    assert args.command == "bench" and args.benchmark == "layer" and args.smoke
+    assert callable(args.func)
