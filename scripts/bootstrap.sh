@@ -2,7 +2,8 @@
 # Set up a development environment in the repo root, idempotently:
 #   1. .venv (created if missing) with the pinned packages of requirements/test.txt;
 #   2. the compiled extension lrmoe._C built in place (incrementally, with ninja);
-#   3. a .pth file so that `import lrmoe` works from the venv anywhere.
+#   3. a .pth file so that `import lrmoe` works from the venv anywhere, and the `lrmoe`
+#      console script in the venv's bin/.
 # A second run with nothing changed installs and compiles nothing (a few seconds).
 #
 # Usage: bash scripts/bootstrap.sh
@@ -139,6 +140,9 @@ fi
 
 # Make the checkout importable from the venv (like an editable install, without pip).
 echo "$ROOT" > "$SITE/lrmoe-checkout.pth"
+# The `lrmoe` console script ([project.scripts] in pyproject.toml), written as pip would.
+printf '#!%s\nimport sys\nfrom lrmoe.cli import main\nsys.exit(main())\n' "$VPY" > "$VENV/bin/lrmoe"
+chmod +x "$VENV/bin/lrmoe"
 
 # ---- extension ------------------------------------------------------------------------
 if [[ "${LRMOE_SKIP_BUILD:-0}" == 1 ]]; then

@@ -1,0 +1,148 @@
+"""The ``lrmoe`` command line: ``lrmoe train ...``, and ``lrmoe bench layer ...`` where
+:mod:`lrmoe.bench` is installed (more subcommands go into :func:`build_parser`).
+
+Exit status: 0 on success, 2 on a usage or config error (the message names the setting),
+130 when a training run was stopped by Ctrl-C (after saving a checkpoint).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Dict, Optional, Sequence
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+def _add_train_parser(sub: Any) -> None:
+    from lrmoe.ops import METRICS, QUOTA_RULES, SELECTIONS
+    from lrmoe.train import PRESETS
+
+    p = sub.add_parser(
+        "train", help="train or fine-tune a Qwen3-MoE model with LRMoE layers",
+        description=(
+            "Train a Qwen3-MoE model (random init, or --init-from a transformers checkpoint) "
+            "whose sparse-MoE blocks are LRMoE layers. Settings compose as: --preset (default "
+            "tiny), then --config FILE, then --set key=value, then the direct flags below. "
+            "All keys: lrmoe train --print-config."),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="starting configuration (default: tiny; on --resume: the checkpoint's)")
+    p.add_argument("--config", metavar="FILE", help="YAML mapping of config keys")
+    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="sets",
+                   help="override one key (repeatable), e.g. --set lr=1e-3 --set "
+                        "model.num_experts=16; values are YAML")
+    p.add_argument("-c", "--recalibration-rate", type=float, metavar="C",
+                   help="LRMoE recalibration rate c in [0, 1) (share of pairs whose expert "
+                        "backward is dropped)")
+    p.add_argument("--metric", choices=METRICS, help="LRMoE pair score")
+    p.add_argument("--quota-rule", choices=QUOTA_RULES, help="LRMoE per-expert quota rule")
+    p.add_argument("--selection", choices=SELECTIONS, help="LRMoE pair selection")
+    p.add_argument("--steps", type=int, help="optimizer steps")
+    p.add_argument("--data", metavar="SPEC", help="gcide | alpaca:PATH | text:PATH")
+    p.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json to use instead of "
+                                                       "training a BPE on the data")
+    p.add_argument("--init-from", metavar="DIR", help="transformers checkpoint to fine-tune")
+    p.add_argument("--out", metavar="DIR", dest="out_dir", help="run directory")
+    p.add_argument("--device", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--resume", nargs="?", const="", default=None, metavar="DIR",
+                   help="continue from a checkpoint dir, or the newest checkpoint of a run dir "
+                        "(default: of --out / the config's out_dir)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="a fresh run may replace the run files already in the out dir")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the composed config as YAML and exit")
+    p.set_defaults(func=_cmd_train)
+
+
+def _add_bench_parser(sub: Any) -> None:
+    """``lrmoe bench layer ...`` when :mod:`lrmoe.bench` is present."""
+    try:
+        from lrmoe.bench.cli import add_layer_arguments, run_layer
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").startswith("lrmoe.bench"):
+            return
+        raise
+    p = sub.add_parser("bench", help="benchmarks (lrmoe bench layer --help)")
+    benches = p.add_subparsers(dest="benchmark", metavar="BENCHMARK")
+    benches.required = True
+    layer = benches.add_parser(
+        "layer", help="one MoE layer: LRMoE against dropless and transformers baselines",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_layer_arguments(layer)
+
+    def _cmd_bench_layer(args: argparse.Namespace) -> int:
+        run_layer(args, args.raw_argv[2:])
+        return 0
+
+    layer.set_defaults(func=_cmd_bench_layer)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``lrmoe`` argument parser with its subcommands (``train``; ``bench layer``
+    where :mod:`lrmoe.bench` exists)."""
+    parser = argparse.ArgumentParser(
+        prog="lrmoe", description="LRMoE: exact-forward, planned-backward MoE training")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    _add_train_parser(sub)
+    _add_bench_parser(sub)
+    return parser
+
+
+def _train_overrides(args: argparse.Namespace) -> Dict[str, Any]:
+    return {"recalibration_rate": args.recalibration_rate, "metric": args.metric,
+            "quota_rule": args.quota_rule, "selection": args.selection, "steps": args.steps,
+            "data": args.data, "tokenizer": args.tokenizer, "init_from": args.init_from,
+            "out_dir": args.out_dir, "device": args.device}
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from lrmoe import train as T
+
+    overrides = _train_overrides(args)
+    ckpt = None
+    if args.resume is not None:
+        # where to look: --resume DIR, else --out, else the composed config's out_dir
+        probe = T.build_config(args.preset, args.config, args.sets, overrides)
+        ckpt = T.find_checkpoint(args.resume or None, probe.out_dir)
+        base = T.read_checkpoint_config(ckpt)
+        if args.preset is None and args.config is None and args.out_dir is None \
+                and args.resume and ckpt.parent.name == "checkpoints":
+            overrides["out_dir"] = str(ckpt.parent.parent)  # the run the checkpoint belongs to
+        cfg = T.build_config(args.preset, args.config, args.sets, overrides, base=base)
+    else:
+        cfg = T.build_config(args.preset, args.config, args.sets, overrides)
+    if args.print_config:
+        sys.stdout.write(T.config_yaml(cfg))
+        return 0
+    result = T.train(cfg, resume=ckpt, overwrite=args.overwrite)
+    return EXIT_INTERRUPTED if result.interrupted else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``lrmoe`` console script and ``python -m lrmoe``.
+
+    Args:
+        argv: arguments without the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status (see the module docstring).
+    """
+    parser = build_parser()
+    raw = list(argv) if argv is not None else sys.argv[1:]
+    args = parser.parse_args(raw)
+    args.raw_argv = raw
+    try:
+        return int(args.func(args))
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+        print(f"lrmoe {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"lrmoe {args.command}: aborted by Ctrl-C (nothing saved since the last "
+              "checkpoint)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
