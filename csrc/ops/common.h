@@ -4,23 +4,61 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/ArrayRef.h>
+
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <string_view>
+#include <type_traits>
 
 namespace lrmoe {
 
-// Every check names the argument and the fix, as users see these messages.
-#define LRMOE_CHECK(cond, ...) TORCH_CHECK(cond, "lrmoe: ", __VA_ARGS__)
+// Error messages are built here, without std::ostream: on the lent GPU's torch 2.11
+// image a number streamed into an ostream from this library crashed the process
+// (SIGSEGV) while strings streamed fine. Numbers go through to_string/snprintf; an
+// argument of any other type fails to compile, so nothing can slip back to an ostream.
+namespace detail {
 
-// Doubles go into messages through snprintf, never through an ostream: streaming a
-// double from this library crashed (SIGSEGV) under the lent GPU's torch 2.11 image,
-// while integers and strings streamed fine.
 inline std::string format_double(double v) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%.17g", v);
   return buf;
 }
+
+inline void append(std::string& s, const char* v) { s += v; }
+inline void append(std::string& s, char v) { s += v; }
+inline void append(std::string& s, const std::string& v) { s += v; }
+inline void append(std::string& s, std::string_view v) { s.append(v.data(), v.size()); }
+inline void append(std::string& s, bool v) { s += v ? "true" : "false"; }
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+inline void append(std::string& s, T v) { s += std::to_string(v); }
+template <typename T, std::enable_if_t<std::is_floating_point_v<T>, int> = 0>
+inline void append(std::string& s, T v) { s += format_double(static_cast<double>(v)); }
+inline void append(std::string& s, c10::IntArrayRef v) {
+  s += '[';
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  s += ']';
+}
+inline void append(std::string& s, c10::ScalarType v) { s += c10::toString(v); }
+inline void append(std::string& s, const c10::Device& v) { s += v.str(); }
+
+template <typename... Args>
+std::string concat(const Args&... args) {
+  std::string s;
+  (append(s, args), ...);
+  return s;
+}
+
+}  // namespace detail
+
+using detail::format_double;
+
+// Every check names the argument and the fix, as users see these messages.
+#define LRMOE_CHECK(cond, ...) \
+  TORCH_CHECK(cond, ::lrmoe::detail::concat("lrmoe: ", __VA_ARGS__))
 
 inline void check_dim(const at::Tensor& t, int64_t dim, const char* name) {
   LRMOE_CHECK(t.dim() == dim, name, " must be ", dim, "-D, got shape ", t.sizes());
