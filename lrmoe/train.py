@@ -65,7 +65,8 @@ SUMMARY_FILE = "summary.json"
 #: they change neither the model, nor the data order, nor the optimisation.
 RESUME_MUTABLE_FIELDS = frozenset({
     "steps", "eval_every", "eval_batches", "log_every", "save_every", "keep_checkpoints",
-    "out_dir", "device", "torch_threads", "progress", "cache_dir"})
+    "out_dir", "device", "torch_threads", "progress", "cache_dir", "record_trace",
+    "trace_every"})
 
 
 # ====================================================================== configuration
@@ -187,6 +188,11 @@ class TrainConfig:
         out_dir: directory of the run's files.
         progress: ``auto`` (a progress bar on a terminal, else a line every ~2 % of the
             run), ``bar``, ``lines`` (a line every ``log_every`` steps) or ``none``.
+        record_trace: write the routed expert ids of every MoE layer to this ``.npz``
+            (:class:`lrmoe.trace.RoutingTrace`), replayed by ``lrmoe bench layer
+            --routing trace``; None records nothing.
+        trace_every: record one optimizer step in this many (each record copies ids to
+            the host).
 
     LRMoE (the planned backward of every MoE layer, :class:`lrmoe.LRMoEConfig`):
         recalibration_rate: c in [0, 1), share of routed pairs whose expert backward is
@@ -230,6 +236,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     out_dir: str = "runs/tiny"
     progress: str = "auto"
+    record_trace: Optional[str] = None
+    trace_every: int = 10
     recalibration_rate: float = 0.0
     metric: str = "lrm"
     quota_rule: str = "proportional"
@@ -340,7 +348,7 @@ def _preset_gpu_small() -> TrainConfig:
     return TrainConfig(
         model=ModelConfig(hidden_size=768, num_hidden_layers=8, num_attention_heads=12,
                           num_key_value_heads=4, head_dim=64, intermediate_size=2048,
-                          moe_intermediate_size=384, num_experts=64, num_experts_per_tok=8,
+                          moe_intermediate_size=256, num_experts=128, num_experts_per_tok=8,
                           router_aux_loss_coef=0.01, max_position_embeddings=4096),
         vocab_size=16384, max_records=None, seq_len=1024, batch_size=16, grad_accum=1,
         steps=1500, lr=1e-3, min_lr=1e-4, warmup_steps=100, eval_every=100, eval_batches=32,
@@ -1062,6 +1070,13 @@ class Trainer:
             raise ValueError(f"the model ({type(self.model).__name__}) has no sparse-MoE block "
                              "that lrmoe can replace")
         self.lrmoe_layers = dict(patched)
+        self.trace = None
+        if cfg.record_trace:
+            from lrmoe.trace import RoutingTrace
+            self.trace = RoutingTrace(cfg.model.num_experts, cfg.model.num_experts_per_tok,
+                                      cfg.trace_every)
+            for index, (_, layer) in enumerate(patched):
+                layer.trace, layer.layer_index = self.trace, index
         self.model.to(self.device)
         self.model.train()
         self.aux_coef = float(getattr(self.model.config, "router_aux_loss_coef", 0.0) or 0.0)
@@ -1220,6 +1235,8 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
+        if self.trace is not None:
+            self.trace.step = self.step
         lm_loss = float(nll_total) / denom
         if not math.isfinite(lm_loss):
             raise FloatingPointError(
@@ -1246,6 +1263,8 @@ class Trainer:
             progress.write(text)
         else:
             _log(text)
+        if self.trace is not None and self.trace.records:
+            _log(f"routing trace: {self.trace.save(cfg.record_trace)}")
         write_loss_curve(self.out_dir / METRICS_FILE, self.out_dir / CURVE_FILE,
                          title=self._plot_title())
         return record

@@ -229,12 +229,18 @@ def measure_ceilings(device: torch.device) -> dict:
 
 
 def _phase_times(prof, cuda: bool) -> Dict[str, float]:
-    """ms of device time under each lrmoe.* range, plus GEMM / other outside ranges."""
+    """ms of device time of the kernels launched under each ``lrmoe.*`` range.
+
+    Only the host-side range events count: the profiler also mirrors each range on the
+    GPU timeline, and summing both would count every kernel twice.
+    """
     out: Dict[str, float] = {}
-    for evt in prof.key_averages():
-        if evt.key.startswith("lrmoe."):
-            t = evt.device_time_total if cuda else evt.cpu_time_total
-            out[evt.key[len("lrmoe."):]] = out.get(evt.key[len("lrmoe."):], 0.0) + t / 1e3
+    for evt in prof.events():
+        if not evt.name.startswith("lrmoe.") or evt.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        t = evt.device_time_total if cuda else evt.cpu_time_total
+        key = evt.name[len("lrmoe."):]
+        out[key] = out.get(key, 0.0) + t / 1e3
     return out
 
 

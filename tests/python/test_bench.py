@@ -58,3 +58,26 @@ def test_smoke_run_writes_reports(tmp_path):
             "compact", "expert_gemm_bwd", "scatter"} <= set(c3["phases_ms"])
     assert (tmp_path / "out" / "layer_bench.png").stat().st_size > 10_000
     assert "| smoke | 128 | uniform" in md.read_text()
+
+
+def test_routing_trace_round_trip(tmp_path):
+    from lrmoe.trace import RoutingTrace, load_trace
+    trace = RoutingTrace(num_experts=16, top_k=4, every=2)
+    recorded = {}
+    for step in range(4):
+        trace.step = step
+        if trace.wants():
+            for layer in range(2):
+                ids = make_routing("skewed", 50, 16, 4, seed=10 * step + layer)
+                trace.record(layer, ids)
+                recorded[(step, layer)] = ids
+    path = trace.save(tmp_path / "t.npz")
+    meta, arrays = load_trace(path)
+    assert meta == dict(num_experts=16, top_k=4, layers=[0, 1], steps=[0, 2])
+    for got, key in zip(arrays, sorted(recorded)):
+        assert torch.equal(torch.from_numpy(got), recorded[key])
+    ids = make_routing("trace", 300, 16, 4, seed=0, trace=str(path))
+    rows = {tuple(r) for v in recorded.values() for r in v.tolist()}
+    assert ids.shape == (300, 4) and all(tuple(r) in rows for r in ids.tolist())
+    with pytest.raises(ValueError, match="E=16, K=4"):
+        make_routing("trace", 10, 8, 4, seed=0, trace=str(path))
