@@ -1263,8 +1263,6 @@ class Trainer:
             progress.write(text)
         else:
             _log(text)
-        if self.trace is not None and self.trace.records:
-            _log(f"routing trace: {self.trace.save(cfg.record_trace)}")
         write_loss_curve(self.out_dir / METRICS_FILE, self.out_dir / CURVE_FILE,
                          title=self._plot_title())
         return record
@@ -1332,6 +1330,8 @@ class Trainer:
             if old_handler is not None:
                 signal.signal(signal.SIGINT, old_handler)
             self._metrics.close()
+        if self.trace is not None and self.trace.records:
+            _log(f"routing trace: {self.trace.save(cfg.record_trace)}")
         write_loss_curve(self.out_dir / METRICS_FILE, self.out_dir / CURVE_FILE,
                          title=self._plot_title())
         summary = self._summary(start_step, interrupted)
