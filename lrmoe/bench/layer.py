@@ -47,7 +47,7 @@ SHAPES: Dict[str, dict] = {
 }
 PHASES_FWD = ("router", "permute", "expert_gemm_fwd", "combine")
 PHASES_BWD = ("router_grad", "score", "select", "compact", "expert_gemm_bwd", "scatter")
-GEMM_NAMES = ("gemm", "cutlass", "xmma", "Gemm", "wgmma", "sm90", "addmm", "mm")
+GEMM_NAMES = ("gemm", "Gemm", "GEMM", "cutlass", "xmma", "wgmma")
 
 
 @dataclasses.dataclass
@@ -250,7 +250,7 @@ def _kernel_split(prof) -> Dict[str, float]:
     for evt in prof.events():
         if getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA:
             t = evt.device_time / 1e3 if hasattr(evt, "device_time") else evt.cuda_time / 1e3
-            if any(k in evt.name for k in GEMM_NAMES):
+            if "lrmoe::" not in evt.name and any(k in evt.name for k in GEMM_NAMES):
                 gemm += t
             else:
                 other += t
