@@ -163,6 +163,9 @@ def _transformers_method(base: LRMoELayer, case: Case, device: torch.device) -> 
     tcfg = Qwen3MoeConfig(hidden_size=d["hidden"], moe_intermediate_size=d["inter"],
                           num_experts=d["experts"], num_experts_per_tok=d["top_k"],
                           norm_topk_prob=True)
+    # what a Qwen3MoeForCausalLM picks by default (PreTrainedModel.
+    # get_correct_experts_implementation); a bare block would fall back to the eager loop
+    tcfg._experts_implementation = "grouped_mm"
     block = Qwen3MoeSparseMoeBlock(tcfg).to(device=device, dtype=case.dtype)
     with torch.no_grad():
         block.gate.weight.copy_(base.gate.weight)

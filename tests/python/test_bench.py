@@ -14,10 +14,11 @@ from lrmoe.bench.layer import Case, build_methods, bench_layer, load_imbalance, 
 
 
 def test_methods_compute_the_same_layer():
-    case = Case("smoke", 64, "skewed", torch.float64)
+    # float32: transformers' grouped_mm experts path takes no float64
+    case = Case("smoke", 64, "skewed", torch.float32)
     ids = make_routing("skewed", 64, 8, 2, seed=0)
-    x = torch.randn(64, 64, dtype=torch.float64)
-    g = torch.randn(64, 64, dtype=torch.float64)
+    x = torch.randn(64, 64)
+    g = torch.randn(64, 64)
     outs, grads = {}, {}
     for m in build_methods(case, [0.0], ["lrmoe", "dropless", "transformers"],
                            torch.device("cpu")):
@@ -25,10 +26,10 @@ def test_methods_compute_the_same_layer():
         out = m.forward(xi, ids)
         out.backward(g)
         outs[m.name], grads[m.name] = out.detach(), xi.grad
-    # float64 everywhere but the fp32 router math: agreement to fp32 rounding
+    # the same float32 function summed in other orders: agreement to fp32 rounding
     for name in ("dropless", "transformers"):
-        assert rel_err(outs[name], outs["lrmoe c=0"]) < 1e-6, name
-        assert rel_err(grads[name], grads["lrmoe c=0"]) < 1e-6, name
+        assert rel_err(outs[name], outs["lrmoe c=0"]) < 1e-5, name
+        assert rel_err(grads[name], grads["lrmoe c=0"]) < 1e-5, name
 
 
 def test_routing_kinds():
