@@ -9,7 +9,8 @@ phi_PI, phi_sq_P = swiglu(h) -> y_PH = phi W_down[e]^T -> o_T = sum_k alpha y.
 
 Backward (DESIGN.md section 1): dalpha = <g_t, y_u> for every pair (exact router
 gradient); quota Q_E from the routed loads; score every pair; keep the best Q_e of each
-expert; gather only the kept rows into R-row buffers (G = alpha g, X, h), then grouped
+expert; gather only the kept rows into R-row buffers (G = alpha g, X; the kept rows of h
+are read in place through their indices by the SwiGLU kernels), then grouped
 GEMMs dphi = G W_down, dW_down = G^T phi, swiglu backward, dW_gate_up = dH^T X,
 dX = dH W_gate_up, and dx_t = sum of the kept dX rows of token t.
 """
@@ -153,13 +154,15 @@ class ExpertFunction(torch.autograd.Function):
                                cfg.selection, seed))
             with phase("lrmoe.compact"):
                 scale_R = alpha_P.index_select(0, kept_pair_R) * kept_scale_R
-                h_R2I = ops.gather_rows(h_P2I, kept_rows_R, None, 1)
+            # the kept rows of h are read through kept_rows by the SwiGLU kernels below:
+            # compacted on the fly, never copied
+            h_rows_R = kept_rows_R
             stats.quota_E, stats.retained_mass = quota_E, mass
         else:
             num_retained = num_pairs
             kept_pair_R, pair_kept_P, kept_offsets_E = row_pair_P, pair_row_P, offsets_E
             scale_R = alpha_P.index_select(0, row_pair_P)
-            h_R2I = h_P2I
+            h_rows_R = None
             stats.quota_E, stats.retained_mass = tokens_per_expert_E, None
         stats.num_retained, stats.kept_pair_R = num_retained, kept_pair_R
         stats.backward_steps += 1
@@ -169,20 +172,18 @@ class ExpertFunction(torch.autograd.Function):
             G_RH = ops.gather_rows(g_TH, kept_pair_R, scale_R, top_k)
             X_RH = ops.gather_rows(x_TH, kept_pair_R, None, top_k)
         with phase("lrmoe.expert_gemm_bwd"):
-            phi_RI, _ = ops.swiglu(h_R2I)
+            phi_RI, _ = ops.swiglu(h_P2I, h_rows_R)
             dphi_RI = ops.grouped_mm(G_RH, w_down_EHI, kept_offsets_E)
             grad_w_down_EHI = ops.grouped_mm(G_RH.t(), phi_RI, kept_offsets_E)
-            dh_R2I = ops.swiglu_backward(dphi_RI, h_R2I)
+            dh_R2I = ops.swiglu_backward(dphi_RI, h_P2I, h_rows_R)
             grad_w_gate_up_E2IH = ops.grouped_mm(dh_R2I.t(), X_RH, kept_offsets_E)
             dx_RH = ops.grouped_mm(dh_R2I, w_gate_up_E2IH, kept_offsets_E)
         with phase("lrmoe.scatter"):
             grad_x_TH = ops.combine(dx_RH, pair_kept_P, None, top_k)
 
-        buffers = {"G": G_RH, "X": X_RH, "h": h_R2I, "phi": phi_RI, "dphi": dphi_RI,
-                   "dh": dh_R2I, "dx": dx_RH}
+        buffers = {"G": G_RH, "X": X_RH, "phi": phi_RI, "dphi": dphi_RI, "dh": dh_R2I,
+                   "dx": dx_RH}
         stats.buffers = {k: tuple(v.shape) for k, v in buffers.items()}
-        # h_R2I is the saved forward tensor itself when selection is off: not a new buffer
-        stats.buffer_bytes = sum(v.numel() * v.element_size() for k, v in buffers.items()
-                                 if not (k == "h" and v is h_P2I))
+        stats.buffer_bytes = sum(v.numel() * v.element_size() for v in buffers.values())
         return (grad_x_TH.to(x_TH.dtype), grad_weights_TK.to(weights_TK.dtype), None,
                 grad_w_gate_up_E2IH, grad_w_down_EHI, None, None)

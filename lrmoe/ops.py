@@ -189,34 +189,40 @@ def select(score: Tensor, row_pair: Tensor, offsets: Tensor, quota: Tensor, num_
     return _ops.select(score, row_pair, offsets, quota, num_retained, selection, seed)
 
 
-def swiglu(h: Tensor) -> Tuple[Tensor, Tensor]:
+def swiglu(h: Tensor, index: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """SwiGLU activation with the LRM by-product.
 
     Args:
-        h: ``(N, 2I)`` float, ``[gate | up]`` halves (the transformers ``gate_up_proj``
+        h: ``(M, 2I)`` float, ``[gate | up]`` halves (the transformers ``gate_up_proj``
             order).
+        index: optional ``(N,)`` int32 rows of ``h`` to use (the backward's compaction,
+            fused into the read instead of a gathered copy of ``h``); None uses all M rows.
 
     Returns:
         ``phi`` (N, I) of ``h.dtype`` = silu(gate) * up computed in fp32; ``phi_sq`` (N,)
         float32 = ||phi||^2 of the stored (rounded) phi.
+
+    Raises:
+        RuntimeError: odd width, wrong dtype, or (CPU) an index outside ``[0, M)``.
     """
-    return _ops.swiglu(h)
+    return _ops.swiglu(h, index)
 
 
-def swiglu_backward(grad_phi: Tensor, h: Tensor) -> Tensor:
-    """Gradient of :func:`swiglu` w.r.t. ``h``.
+def swiglu_backward(grad_phi: Tensor, h: Tensor, index: Optional[Tensor] = None) -> Tensor:
+    """Gradient of :func:`swiglu` w.r.t. the selected rows of ``h``.
 
     d gate = dphi * up * sigma(gate) * (1 + gate * (1 - sigma(gate))), d up = dphi *
     silu(gate), in fp32.
 
     Args:
         grad_phi: ``(N, I)`` float.
-        h: ``(N, 2I)`` of the same dtype.
+        h: ``(M, 2I)`` of the same dtype.
+        index: optional ``(N,)`` int32 rows of ``h`` (as in :func:`swiglu`).
 
     Returns:
-        ``(N, 2I)`` of ``h.dtype``.
+        ``(N, 2I)`` of ``h.dtype``: row n is the gradient w.r.t. ``h[index[n]]``.
     """
-    return _ops.swiglu_backward(grad_phi, h)
+    return _ops.swiglu_backward(grad_phi, h, index)
 
 
 def grouped_mm(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
@@ -290,13 +296,14 @@ def _(score, row_pair, offsets, quota, num_retained, selection, seed):
 
 
 @_fake("lrmoe::swiglu")
-def _(h):
-    return h.new_empty(h.shape[0], h.shape[1] // 2), h.new_empty(h.shape[0], dtype=torch.float32)
+def _(h, index=None):
+    n = h.shape[0] if index is None else index.shape[0]
+    return h.new_empty(n, h.shape[1] // 2), h.new_empty(n, dtype=torch.float32)
 
 
 @_fake("lrmoe::swiglu_backward")
-def _(grad_phi, h):
-    return h.new_empty(h.shape)
+def _(grad_phi, h, index=None):
+    return h.new_empty(grad_phi.shape[0], h.shape[1])
 
 
 @_fake("lrmoe::grouped_mm")

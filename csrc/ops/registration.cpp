@@ -28,10 +28,11 @@ TORCH_LIBRARY(lrmoe, m) {
   //    kept_scale (R) fp32, retained_mass () fp32; selection in {topk, importance}.
   m.def("select(Tensor score, Tensor row_pair, Tensor offsets, Tensor quota, int num_retained, "
         "str selection, int seed) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-  // h (N, 2I) = [gate | up] -> phi (N, I) = silu(gate) * up, phi_sq (N) fp32.
-  m.def("swiglu(Tensor h) -> (Tensor, Tensor)");
-  // grad_phi (N, I), h (N, 2I) -> grad_h (N, 2I).
-  m.def("swiglu_backward(Tensor grad_phi, Tensor h) -> Tensor");
+  // h (M, 2I) = [gate | up] -> phi (N, I) = silu(gate) * up, phi_sq (N) fp32, of rows
+  // index (N) int32 of h (the compaction fused into the read), or of all rows (N = M).
+  m.def("swiglu(Tensor h, Tensor? index=None) -> (Tensor, Tensor)");
+  // grad_phi (N, I), h (M, 2I), index as in swiglu -> grad_h (N, 2I).
+  m.def("swiglu_backward(Tensor grad_phi, Tensor h, Tensor? index=None) -> Tensor");
   // torch._grouped_mm semantics (2D x 3D, 2D x 2D with offsets on K); a per-expert
   // loop where the fused kernel does not apply.
   m.def("grouped_mm(Tensor a, Tensor b, Tensor offsets) -> Tensor");

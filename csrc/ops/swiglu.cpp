@@ -1,6 +1,7 @@
 // swiglu / swiglu_backward, CPU.
 //
-// Legend: N rows, I expert intermediate size; h_N2I = [gate | up],
+// Legend: N rows produced (index.numel(), or all M rows of h), I expert
+// intermediate size; h_N2I = [gate | up] (read through index when given),
 // phi_NI = silu(gate) * up (fp32 math, rounded to h.dtype), phi_sq_N = sum of
 // squares of the ROUNDED phi (the LRM's ||phi_u||^2 of what W_down really sees),
 // grad_h_N2I = [d gate | d up].
@@ -18,10 +19,14 @@
 namespace lrmoe {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> swiglu_cpu(const at::Tensor& h) {
-  check_swiglu_args(h);
+std::tuple<at::Tensor, at::Tensor> swiglu_cpu(const at::Tensor& h,
+                                              const std::optional<at::Tensor>& index) {
+  const int64_t N = check_swiglu_args(h, index);
+  check_swiglu_index_values(index, h.size(0));
   const at::Tensor h_N2I = h.contiguous();
-  const int64_t N = h_N2I.size(0), I = h_N2I.size(1) / 2;
+  const at::Tensor idx_N = index.has_value() ? index->contiguous() : at::Tensor();
+  const int32_t* ip = index.has_value() ? idx_N.const_data_ptr<int32_t>() : nullptr;
+  const int64_t I = h_N2I.size(1) / 2;
   at::Tensor phi_NI = at::empty({N, I}, h_N2I.options());
   at::Tensor phi_sq_N = at::empty({N}, h_N2I.options().dtype(at::kFloat));
   if (N == 0) return {phi_NI, phi_sq_N};
@@ -35,7 +40,7 @@ std::tuple<at::Tensor, at::Tensor> swiglu_cpu(const at::Tensor& h) {
     const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1));
     at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
-        const scalar_t* gate = hp + n * 2 * I;
+        const scalar_t* gate = hp + (ip ? ip[n] : n) * 2 * I;
         const scalar_t* up = gate + I;
         scalar_t* phi = pp + n * I;
         opmath_t acc = 0;
@@ -53,11 +58,15 @@ std::tuple<at::Tensor, at::Tensor> swiglu_cpu(const at::Tensor& h) {
   return {phi_NI, phi_sq_N};
 }
 
-at::Tensor swiglu_backward_cpu(const at::Tensor& grad_phi, const at::Tensor& h) {
-  check_swiglu_backward_args(grad_phi, h);
+at::Tensor swiglu_backward_cpu(const at::Tensor& grad_phi, const at::Tensor& h,
+                               const std::optional<at::Tensor>& index) {
+  const int64_t N = check_swiglu_backward_args(grad_phi, h, index);
+  check_swiglu_index_values(index, h.size(0));
   const at::Tensor h_N2I = h.contiguous();
   const at::Tensor dphi_NI = grad_phi.contiguous();
-  const int64_t N = h_N2I.size(0), I = h_N2I.size(1) / 2;
+  const at::Tensor idx_N = index.has_value() ? index->contiguous() : at::Tensor();
+  const int32_t* ip = index.has_value() ? idx_N.const_data_ptr<int32_t>() : nullptr;
+  const int64_t I = h_N2I.size(1) / 2;
   at::Tensor grad_h_N2I = at::empty({N, 2 * I}, h_N2I.options());
   if (N == 0 || I == 0) return grad_h_N2I;
 
@@ -70,7 +79,7 @@ at::Tensor swiglu_backward_cpu(const at::Tensor& grad_phi, const at::Tensor& h) 
     const int64_t grain = std::max<int64_t>(1, 16384 / I);
     at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
-        const scalar_t* gate = hp + n * 2 * I;
+        const scalar_t* gate = hp + (ip ? ip[n] : n) * 2 * I;
         const scalar_t* up = gate + I;
         const scalar_t* dphi = dp + n * I;
         scalar_t* dgate = op + n * 2 * I;

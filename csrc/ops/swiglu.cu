@@ -1,6 +1,7 @@
 // swiglu / swiglu_backward, CUDA.
 //
-// Legend: N rows, I expert intermediate size; h_N2I = [gate | up],
+// Legend: N rows produced (index.numel(), or all M rows of h), I expert
+// intermediate size; h_N2I = [gate | up] (read through index when given),
 // phi_NI = silu(gate) * up (fp32 math, rounded to h.dtype), phi_sq_N = sum of
 // squares of the rounded phi, grad_h_N2I = [d gate | d up].
 // One warp per row; lanes take 16-byte vectors of the gate and up halves (both
@@ -27,15 +28,18 @@ using namespace lrmoe::cuda;
 
 template <typename scalar_t, int VEC>
 __global__ void __launch_bounds__(kRowThreads)
-swiglu_kernel(const scalar_t* __restrict__ h_N2I, scalar_t* __restrict__ phi_NI,
-              float* __restrict__ phi_sq_N, int64_t N, int64_t I) {
+swiglu_kernel(const scalar_t* __restrict__ h_M2I, const int32_t* __restrict__ index_N,
+              int64_t M, scalar_t* __restrict__ phi_NI, float* __restrict__ phi_sq_N,
+              int64_t N, int64_t I) {
   using opmath_t = at::opmath_type<scalar_t>;
   using V = Vec<scalar_t, VEC>;
   const int lane = threadIdx.x % kWarp;
   const int64_t nvec = I / VEC;
   for (int64_t n = warp_row(); n < N; n += warp_row_stride()) {
-    const V* gate = reinterpret_cast<const V*>(h_N2I + n * 2 * I);
-    const V* up = reinterpret_cast<const V*>(h_N2I + n * 2 * I + I);
+    const int64_t src = index_N ? static_cast<int64_t>(index_N[n]) : n;
+    CUDA_KERNEL_ASSERT(src >= 0 && src < M && "swiglu: index outside the rows of h");
+    const V* gate = reinterpret_cast<const V*>(h_M2I + src * 2 * I);
+    const V* up = reinterpret_cast<const V*>(h_M2I + src * 2 * I + I);
     V* phi = reinterpret_cast<V*>(phi_NI + n * I);
     opmath_t acc = 0;
     for (int64_t v = lane; v < nvec; v += kWarp) {
@@ -57,15 +61,18 @@ swiglu_kernel(const scalar_t* __restrict__ h_N2I, scalar_t* __restrict__ phi_NI,
 
 template <typename scalar_t, int VEC>
 __global__ void __launch_bounds__(kRowThreads)
-swiglu_backward_kernel(const scalar_t* __restrict__ dphi_NI, const scalar_t* __restrict__ h_N2I,
+swiglu_backward_kernel(const scalar_t* __restrict__ dphi_NI, const scalar_t* __restrict__ h_M2I,
+                       const int32_t* __restrict__ index_N, int64_t M,
                        scalar_t* __restrict__ grad_h_N2I, int64_t N, int64_t I) {
   using opmath_t = at::opmath_type<scalar_t>;
   using V = Vec<scalar_t, VEC>;
   const int lane = threadIdx.x % kWarp;
   const int64_t nvec = I / VEC;
   for (int64_t n = warp_row(); n < N; n += warp_row_stride()) {
-    const V* gate = reinterpret_cast<const V*>(h_N2I + n * 2 * I);
-    const V* up = reinterpret_cast<const V*>(h_N2I + n * 2 * I + I);
+    const int64_t src = index_N ? static_cast<int64_t>(index_N[n]) : n;
+    CUDA_KERNEL_ASSERT(src >= 0 && src < M && "swiglu_backward: index outside the rows of h");
+    const V* gate = reinterpret_cast<const V*>(h_M2I + src * 2 * I);
+    const V* up = reinterpret_cast<const V*>(h_M2I + src * 2 * I + I);
     const V* dphi = reinterpret_cast<const V*>(dphi_NI + n * I);
     V* dgate = reinterpret_cast<V*>(grad_h_N2I + n * 2 * I);
     V* dup = reinterpret_cast<V*>(grad_h_N2I + n * 2 * I + I);
@@ -86,11 +93,14 @@ swiglu_backward_kernel(const scalar_t* __restrict__ dphi_NI, const scalar_t* __r
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> swiglu_cuda(const at::Tensor& h) {
-  check_swiglu_args(h);
+std::tuple<at::Tensor, at::Tensor> swiglu_cuda(const at::Tensor& h,
+                                               const std::optional<at::Tensor>& index) {
+  const int64_t N = check_swiglu_args(h, index);
   const c10::cuda::CUDAGuard guard(h.device());
   const at::Tensor h_N2I = h.contiguous();
-  const int64_t N = h_N2I.size(0), I = h_N2I.size(1) / 2;
+  const at::Tensor idx_N = index.has_value() ? index->contiguous() : at::Tensor();
+  const int32_t* ip = index.has_value() ? idx_N.const_data_ptr<int32_t>() : nullptr;
+  const int64_t M = h_N2I.size(0), I = h_N2I.size(1) / 2;
   at::Tensor phi_NI = at::empty({N, I}, h_N2I.options());
   at::Tensor phi_sq_N = at::empty({N}, h_N2I.options().dtype(at::kFloat));
   if (N == 0) return {phi_NI, phi_sq_N};
@@ -103,18 +113,22 @@ std::tuple<at::Tensor, at::Tensor> swiglu_cuda(const at::Tensor& h) {
     float* sq = phi_sq_N.data_ptr<float>();
     launch_vectorized<scalar_t>(I, {hp, pp}, [&](auto vec) {
       constexpr int VEC = decltype(vec)::value;
-      swiglu_kernel<scalar_t, VEC><<<row_blocks(N), kRowThreads, 0, stream>>>(hp, pp, sq, N, I);
+      swiglu_kernel<scalar_t, VEC><<<row_blocks(N), kRowThreads, 0, stream>>>(hp, ip, M, pp, sq,
+                                                                              N, I);
     });
   });
   return {phi_NI, phi_sq_N};
 }
 
-at::Tensor swiglu_backward_cuda(const at::Tensor& grad_phi, const at::Tensor& h) {
-  check_swiglu_backward_args(grad_phi, h);
+at::Tensor swiglu_backward_cuda(const at::Tensor& grad_phi, const at::Tensor& h,
+                                const std::optional<at::Tensor>& index) {
+  const int64_t N = check_swiglu_backward_args(grad_phi, h, index);
   const c10::cuda::CUDAGuard guard(h.device());
   const at::Tensor h_N2I = h.contiguous();
   const at::Tensor dphi_NI = grad_phi.contiguous();
-  const int64_t N = h_N2I.size(0), I = h_N2I.size(1) / 2;
+  const at::Tensor idx_N = index.has_value() ? index->contiguous() : at::Tensor();
+  const int32_t* ip = index.has_value() ? idx_N.const_data_ptr<int32_t>() : nullptr;
+  const int64_t M = h_N2I.size(0), I = h_N2I.size(1) / 2;
   at::Tensor grad_h_N2I = at::empty({N, 2 * I}, h_N2I.options());
   if (N == 0 || I == 0) return grad_h_N2I;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -127,7 +141,7 @@ at::Tensor swiglu_backward_cuda(const at::Tensor& grad_phi, const at::Tensor& h)
     launch_vectorized<scalar_t>(I, {hp, dp, op}, [&](auto vec) {
       constexpr int VEC = decltype(vec)::value;
       swiglu_backward_kernel<scalar_t, VEC><<<row_blocks(N), kRowThreads, 0, stream>>>(
-          dp, hp, op, N, I);
+          dp, hp, ip, M, op, N, I);
     });
   });
   return grad_h_N2I;

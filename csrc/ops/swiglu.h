@@ -9,28 +9,50 @@
 #include <c10/macros/Macros.h>
 
 #include <cmath>
+#include <optional>
 
 #include "rows.h"
 
 namespace lrmoe {
 
-inline void check_swiglu_args(const at::Tensor& h_N2I) {
-  check_dim(h_N2I, 2, "h");
-  check_float_dtype(h_N2I, "h");
-  LRMOE_CHECK(h_N2I.size(1) % 2 == 0, "h must be (N, 2I) = [gate | up], got an odd width ",
-              h_N2I.size(1), "; pass the gate_up projection output");
+// Returns N, the rows produced: index.numel() when an index selects rows of h
+// (values in [0, M); checked on the CPU only, the CUDA kernels assert), else M.
+inline int64_t check_swiglu_args(const at::Tensor& h_M2I,
+                                 const std::optional<at::Tensor>& index_N) {
+  check_dim(h_M2I, 2, "h");
+  check_float_dtype(h_M2I, "h");
+  LRMOE_CHECK(h_M2I.size(1) % 2 == 0, "h must be (M, 2I) = [gate | up], got an odd width ",
+              h_M2I.size(1), "; pass the gate_up projection output");
+  if (!index_N.has_value()) return h_M2I.size(0);
+  check_dim(*index_N, 1, "index");
+  check_int32(*index_N, "index");
+  check_same_device(*index_N, "index", h_M2I, "h");
+  return index_N->size(0);
 }
 
-inline void check_swiglu_backward_args(const at::Tensor& grad_phi_NI, const at::Tensor& h_N2I) {
-  check_swiglu_args(h_N2I);
+inline int64_t check_swiglu_backward_args(const at::Tensor& grad_phi_NI, const at::Tensor& h_M2I,
+                                          const std::optional<at::Tensor>& index_N) {
+  const int64_t N = check_swiglu_args(h_M2I, index_N);
   check_dim(grad_phi_NI, 2, "grad_phi");
-  LRMOE_CHECK(grad_phi_NI.scalar_type() == h_N2I.scalar_type(), "grad_phi has dtype ",
-              grad_phi_NI.scalar_type(), " but h has ", h_N2I.scalar_type(),
+  LRMOE_CHECK(grad_phi_NI.scalar_type() == h_M2I.scalar_type(), "grad_phi has dtype ",
+              grad_phi_NI.scalar_type(), " but h has ", h_M2I.scalar_type(),
               "; cast grad_phi to h's dtype");
-  LRMOE_CHECK(grad_phi_NI.size(0) == h_N2I.size(0) && 2 * grad_phi_NI.size(1) == h_N2I.size(1),
-              "grad_phi must have shape (N, I) = (", h_N2I.size(0), ", ", h_N2I.size(1) / 2,
-              ") for h of shape ", h_N2I.sizes(), ", got ", grad_phi_NI.sizes());
-  check_same_device(grad_phi_NI, "grad_phi", h_N2I, "h");
+  LRMOE_CHECK(grad_phi_NI.size(0) == N && 2 * grad_phi_NI.size(1) == h_M2I.size(1),
+              "grad_phi must have shape (N, I) = (", N, ", ", h_M2I.size(1) / 2,
+              ") for h of shape ", h_M2I.sizes(), " and ", N, " selected rows, got ",
+              grad_phi_NI.sizes());
+  check_same_device(grad_phi_NI, "grad_phi", h_M2I, "h");
+  return N;
+}
+
+// CPU: every index value must name a row of h.
+inline void check_swiglu_index_values(const std::optional<at::Tensor>& index_N, int64_t M) {
+  if (!index_N.has_value()) return;
+  const at::Tensor idx = index_N->contiguous();
+  const int32_t* p = idx.const_data_ptr<int32_t>();
+  for (int64_t n = 0; n < idx.numel(); ++n)
+    LRMOE_CHECK(p[n] >= 0 && p[n] < M, "index[", n, "] = ", p[n], " is outside [0, ", M,
+                ") (rows of h)");
 }
 
 // sigma(g) in the accumulation type; exp overflow for very negative g gives 0, not NaN.

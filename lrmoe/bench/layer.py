@@ -340,7 +340,7 @@ def _add_rates(rec: dict, case: Case) -> None:
         "combine": p * h * esize + p * 8 + t * h * esize,
         "score": t * h * esize + p * (4 + 4 + 4) + p * 4,
         "select": p * 4 * 3 + r * 4 * 3 + p * 4,
-        "compact": 2 * (2 * r * h * esize) + 2 * r * 2 * i * esize,
+        "compact": 2 * (2 * r * h * esize),  # G and X rows (h is read in place)
         "scatter": r * h * esize + p * 4 + t * h * esize,
     }
     rec["phase_GBps"] = {k: v / ph[k] / 1e6 for k, v in need.items() if ph.get(k)}

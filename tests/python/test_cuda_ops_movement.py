@@ -318,3 +318,17 @@ def test_swiglu_cuda_noncontiguous_and_misaligned():
     assert torch.equal(phi_mis, phi_ref)  # elementwise: same bits on either path
     # the two paths sum phi^2 in different lane orders
     torch.testing.assert_close(sq_mis, sq_ref, rtol=2 * (I + 2) * U32, atol=0)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_swiglu_index_cuda(dtype):
+    """The fused-index read on CUDA equals the CPU op on gathered rows."""
+    g = case_gen("swiglu_index", dtype)
+    h, h_d = _both(randn((5000, 2 * 768), dtype, g, scale=3.0))
+    idx = torch.randperm(5000, generator=g)[:3500].sort().values.to(torch.int32)
+    phi, sq = ops.swiglu(h_d, idx.to(DEV))
+    phi_g, sq_g = ops.swiglu(h_d[idx.to(DEV).long()].contiguous())
+    assert torch.equal(phi, phi_g) and torch.equal(sq, sq_g)
+    dphi = randn((3500, 768), dtype, g).to(DEV)
+    got = ops.swiglu_backward(dphi, h_d, idx.to(DEV))
+    assert torch.equal(got, ops.swiglu_backward(dphi, h_d[idx.to(DEV).long()].contiguous()))

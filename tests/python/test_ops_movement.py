@@ -472,3 +472,30 @@ def test_swiglu_bad_inputs():
         ops.swiglu_backward(torch.randn(4, 3).bfloat16(), h)
     with pytest.raises(RuntimeError, match="grad_phi must be 2-D"):
         ops.swiglu_backward(torch.randn(12), h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_index_reads_rows_in_place(dtype):
+    """swiglu(h, index) == swiglu(h[index]) bit for bit, and its backward returns the
+    gradient w.r.t. h[index] rows (repeats and any order allowed)."""
+    g = case_gen("swiglu_index", dtype)
+    h = randn((41, 2 * 24), dtype, g, scale=3.0)
+    index = torch.tensor([40, 0, 7, 7, 13, 2, 39], dtype=torch.int32)
+    phi, sq = ops.swiglu(h, index)
+    phi_ref, sq_ref = ops.swiglu(h[index.long()].contiguous())
+    assert torch.equal(phi, phi_ref) and torch.equal(sq, sq_ref)
+    grad_phi = randn((7, 24), dtype, g)
+    got = ops.swiglu_backward(grad_phi, h, index)
+    assert torch.equal(got, ops.swiglu_backward(grad_phi, h[index.long()].contiguous()))
+    want = _ref_swiglu_backward(grad_phi, h[index.long()])
+    tol = _swiglu_tol(dtype) + 8 * EPS[torch.float32]
+    rel = float((got.double() - want).norm() / want.norm())
+    assert rel < tol * 10, rel
+    empty = torch.zeros(0, dtype=torch.int32)
+    assert ops.swiglu(h, empty)[0].shape == (0, 24)
+    with pytest.raises(RuntimeError, match=r"index\[1\] = 41 is outside \[0, 41\)"):
+        ops.swiglu(h, torch.tensor([0, 41], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="index must be int32"):
+        ops.swiglu(h, index.long())
+    with pytest.raises(RuntimeError, match=r"grad_phi must have shape \(N, I\) = \(7, 24\)"):
+        ops.swiglu_backward(randn((41, 24), dtype, g), h, index)
