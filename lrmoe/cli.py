@@ -25,7 +25,7 @@ def _add_train_parser(sub: Any) -> None:
             "whose sparse-MoE blocks are LRMoE layers. Settings compose as: --preset (default "
             "tiny), then --config FILE, then --set key=value, then the direct flags below. "
             "All keys: lrmoe train --print-config."),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="starting configuration (default: tiny; on --resume: the checkpoint's)")
     p.add_argument("--config", metavar="FILE", help="YAML mapping of config keys")
@@ -71,7 +71,7 @@ def _add_bench_parser(sub: Any) -> None:
     benches.required = True
     layer = benches.add_parser(
         "layer", help="one MoE layer: LRMoE against dropless and transformers baselines",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     add_layer_arguments(layer)
 
     def _cmd_bench_layer(args: argparse.Namespace) -> int:
@@ -91,6 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_parser(sub)
     _add_bench_parser(sub)
     return parser
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Adds "(default: X)" only where X is a real default the help does not state."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text or action.default in (None, argparse.SUPPRESS, False)
+                or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def _train_overrides(args: argparse.Namespace) -> Dict[str, Any]:

@@ -1283,6 +1283,14 @@ class Trainer:
     def _run(self) -> TrainResult:
         self._setup()
         cfg = self.cfg
+        if self.resume_from is not None and self.step >= cfg.steps:
+            # nothing to train: leave the finished run's metrics and summary as they are
+            _log(f"the run in {self.out_dir} is complete at step {self.step} (steps="
+                 f"{cfg.steps}); pass --steps N with N > {self.step} to train further")
+            summary_file = self.out_dir / SUMMARY_FILE
+            summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+            return TrainResult(self.step, False, self.out_dir, self.resume_from, summary,
+                               self.model)
         if self.resume_from is not None:
             # the log up to the checkpoint's step: the resumed file equals a straight run's
             shutil.copyfile(self.resume_from / METRICS_FILE, self.out_dir / METRICS_FILE)

@@ -22,13 +22,16 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--rates", nargs="+", type=float, default=[0.0, 0.1, 0.2, 0.3],
                    help="LRMoE recalibration rates")
     p.add_argument("--methods", nargs="+", default=["lrmoe", "dropless", "transformers"],
-                   choices=["lrmoe", "dropless", "transformers"])
+                   choices=["lrmoe", "dropless", "transformers"],
+                   help="LRMoE at each rate, the dropless grouped baseline, transformers' block")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="activation and weight dtype")
     p.add_argument("--iters", type=int, default=20, help="timed iterations (median)")
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=5, help="untimed iterations first")
     p.add_argument("--rotate", type=int, default=3, help="input sets rotated over")
-    p.add_argument("--transformers-iters", type=int, default=3)
+    p.add_argument("--transformers-iters", type=int, default=3,
+                   help="timed iterations of the transformers block")
     p.add_argument("--out", default="bench-out", help="folder for json/md/png")
     p.add_argument("--append-md", default=None,
                    help="also append the markdown table to this file (docs/performance.md)")

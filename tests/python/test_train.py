@@ -441,3 +441,17 @@ def test_cli_bench_subcommand_when_present():
     args = build_parser().parse_args(["bench", "layer", "--smoke", "--out", "x"])
     assert args.command == "bench" and args.benchmark == "layer" and args.smoke
     assert callable(args.func)
+
+
+def test_resume_of_a_finished_run_changes_nothing(tmp_path):
+    """--resume on a run already at its last step trains nothing and keeps the run's
+    metrics and summary as they were."""
+    cfg = micro(tmp_path, steps=3)
+    T.train(cfg, overwrite=True)
+    out = Path(cfg.out_dir)
+    before = {f: (out / f).read_bytes() for f in ("metrics.jsonl", "summary.json")}
+    ckpt = T.find_checkpoint(None, out)
+    result = T.train(cfg, resume=ckpt)
+    assert result.step == 3
+    for f, data in before.items():
+        assert (out / f).read_bytes() == data, f
