@@ -279,3 +279,43 @@ def _check_mismatch(rank, world):
 
 def test_mismatched_config_fails_fast():
     _spawn(_check_mismatch, 2)
+
+
+# ------------------------------------------- data-parallel grads, global clip, checkpoints
+def _check_dp_helpers(rank, world):
+    from lrmoe.parallel import (allreduce_non_expert_grads, clip_grad_norm_,
+                                expert_state_dict, is_expert_param, load_expert_state_dict)
+    cfg = _cfg(num_experts=4, shared_expert_intermediate_size=5)
+    ep, ref = _layers(cfg, seed=9)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(13, 8, generator=gen, dtype=torch.float64)
+    w_out = torch.randn(13, 8, generator=gen, dtype=torch.float64)
+    sizes, starts = _split(13, world)
+    sl = slice(starts[rank], starts[rank] + sizes[rank])
+    (ref(x) * w_out).sum().backward()
+    (ep(x[sl]) * w_out[sl]).sum().backward()
+    allreduce_non_expert_grads(ep)
+    for (name, p), (_, q) in zip(ep.named_parameters(), ref.named_parameters()):
+        if not is_expert_param(p):   # averaged over ranks: the full-batch gradient / W
+            torch.testing.assert_close(p.grad * world, q.grad, rtol=1e-5, atol=1e-7,
+                                       msg=name)
+    expect_sq = sum(float(q.grad.double().square().sum()) / world ** 2
+                    for p, q in zip(ep.parameters(), ref.parameters()) if not is_expert_param(p))
+    expect_sq += float(ref.experts.gate_up_proj.grad.square().sum()
+                       + ref.experts.down_proj.grad.square().sum())
+    before = [p.grad.clone() for p in ep.parameters()]
+    norm = clip_grad_norm_(ep, max_norm=0.5 * expect_sq ** 0.5)
+    assert abs(float(norm) - expect_sq ** 0.5) <= 1e-5 * expect_sq ** 0.5
+    for b, p in zip(before, ep.parameters()):
+        torch.testing.assert_close(p.grad, b * 0.5, rtol=1e-5, atol=1e-12)
+    # checkpoints: same EP size loads; another EP size fails with a clear message
+    ckpt = expert_state_dict(ep)
+    fresh, _ = _layers(cfg, seed=123)
+    load_expert_state_dict(fresh, ckpt)
+    torch.testing.assert_close(fresh.experts.down_proj, ep.experts.down_proj)
+    with pytest.raises(ValueError, match="expert-parallel size 4 but this run has EP size 2"):
+        load_expert_state_dict(fresh, {**ckpt, "ep_size": 4})
+
+
+def test_data_parallel_grads_global_clip_and_checkpoint():
+    _spawn(_check_dp_helpers, 2)
