@@ -319,14 +319,21 @@ def is_expert_param(p: Tensor) -> bool:
 
 
 def allreduce_non_expert_grads(module: nn.Module, group=None) -> None:
-    """Average the gradients of every non-expert parameter over ``group`` (data parallel).
+    """Data-parallel gradient sync for a loss that is the MEAN of the ranks' local losses.
 
-    Expert-sharded parameters are left alone. Parameters without a gradient contribute
-    zeros (so every rank joins the same collectives). A collective.
+    Non-expert gradients are averaged over ``group`` (all-reduce, then / W). Expert-sharded
+    gradients are only divided by W: each already sums the contributions of every rank's
+    tokens through the all-to-all, so no collective is needed for them. Parameters
+    without a gradient contribute zeros (every rank joins the same collectives). A
+    collective.
     """
     world = dist.get_world_size(group)
     for p in module.parameters():
-        if is_expert_param(p) or not p.requires_grad:
+        if not p.requires_grad:
+            continue
+        if is_expert_param(p):
+            if p.grad is not None:
+                p.grad.div_(world)
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
