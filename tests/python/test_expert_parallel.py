@@ -318,3 +318,53 @@ def _check_dp_helpers(rank, world):
 
 def test_data_parallel_grads_global_clip_and_checkpoint():
     _spawn(_check_dp_helpers, 2)
+
+
+# ------------------------------------------------------------- lrmoe train --ep 2 (torchrun)
+def _torchrun(args, cwd, nproc=2, timeout=120):
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                 str(nproc), "--master-addr", "127.0.0.1", "--master-port",
+                 str(_free_port())] if nproc else [sys.executable])
+    return subprocess.run(launcher + ["-m", "lrmoe", "train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_lrmoe_train_ep2_resume_and_ep_size_check(tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_train import micro
+    from lrmoe import train as T
+
+    cfg_file = tmp_path / "cfg.yaml"
+    cfg_file.write_text(T.config_yaml(micro(tmp_path, steps=4, eval_every=0, save_every=2)))
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    r = _torchrun(["--config", str(cfg_file), "--ep", "2", "--out", str(straight)], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # every rank resumes its own shard of step 2 and trains steps 3, 4 again
+    r = _torchrun(["--resume", str(straight / "checkpoints" / "step-00000002"), "--out",
+                   str(resumed)], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    def losses(run):
+        return [(x["step"], x["loss"], x["grad_norm"]) for x in map(
+            json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if x["kind"] == "train"]
+    a, b = losses(straight), losses(resumed)
+    assert [s for s, _, _ in a] == [1, 2, 3, 4] and a == b, (a, b)
+    # rank 1 trained its own expert shard: half the experts in its checkpoint
+    from safetensors.torch import load_file
+    shard = load_file(str(straight / "ep-rank-1" / "checkpoints" / "step-00000004"
+                          / "model-ep-rank-1.safetensors"))
+    assert shard["model.layers.0.mlp.experts.down_proj"].shape[0] == 2
+    # a different EP size is refused with a message naming it
+    r = _torchrun(["--out", str(resumed), "--resume", "--steps", "6", "--ep", "1"], tmp_path,
+                  nproc=0)
+    assert r.returncode != 0 and "ep_size: checkpoint 2, now 1" in r.stderr, r.stderr[-2000:]
