@@ -26,7 +26,7 @@ Expert weight gradients stay on their rank; everything else is data-parallel
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 import torch.distributed as dist

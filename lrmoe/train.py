@@ -914,6 +914,8 @@ def _init_expert_parallel(cfg: "TrainConfig") -> None:
                          f"{cfg.ep_size} ... --ep {cfg.ep_size}")
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo"
+        if backend == "nccl":  # one GPU per rank before NCCL binds the current device
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
 
 
