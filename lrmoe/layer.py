@@ -99,7 +99,7 @@ class LRMoELayer(nn.Module):
         super().__init__()
         self.config = config
         self.ep_group = ep_group
-        ep_size = ep_rank = 0
+        ep_size, ep_rank = 1, 0
         if ep_group is not None:
             import torch.distributed as dist
 
