@@ -45,6 +45,9 @@ def _add_train_parser(sub: Any) -> None:
     p.add_argument("--init-from", metavar="DIR", help="transformers checkpoint to fine-tune")
     p.add_argument("--out", metavar="DIR", dest="out_dir", help="run directory")
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--ep", type=int, metavar="N", dest="ep_size",
+                   help="expert-parallel size; run under torchrun --nproc-per-node N "
+                        "(config key ep_size)")
     p.add_argument("--record-trace", metavar="PATH", dest="record_trace",
                    help="save the routed expert ids (.npz) for `lrmoe bench layer --routing "
                         "trace`")
@@ -108,7 +111,8 @@ def _train_overrides(args: argparse.Namespace) -> Dict[str, Any]:
     return {"recalibration_rate": args.recalibration_rate, "metric": args.metric,
             "quota_rule": args.quota_rule, "selection": args.selection, "steps": args.steps,
             "data": args.data, "tokenizer": args.tokenizer, "init_from": args.init_from,
-            "out_dir": args.out_dir, "device": args.device, "record_trace": args.record_trace}
+            "out_dir": args.out_dir, "device": args.device, "record_trace": args.record_trace,
+            "ep_size": args.ep_size}
 
 
 def _cmd_train(args: argparse.Namespace) -> int:

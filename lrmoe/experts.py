@@ -42,6 +42,9 @@ class BackwardStats:
         buffer_bytes: bytes of the backward's expert buffers (all sized by R).
         kept_pair_R: (R,) int32 pair ids (t*K + k) whose expert backward ran (backward).
         backward_steps: number of backwards run so far (also offsets the seed).
+        a2a_bytes: expert parallel only (``lrmoe.parallel``): bytes this rank passed to
+            each all-to-all (``forward_dispatch``, ``forward_combine`` incl. the fp32
+            phi_sq side band, ``backward_grad``, ``backward_index``, ``backward_dx``).
     """
 
     tokens_per_expert_E: Optional[Tensor] = None
@@ -53,6 +56,8 @@ class BackwardStats:
     backward_steps: int = 0
     kept_pair_R: Optional[Tensor] = None
     buffers: Dict[str, tuple] = field(default_factory=dict)
+    #: expert parallel only: bytes this rank handed to each all-to-all of the last step
+    a2a_bytes: Dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> Dict[str, object]:
         """Host-side numbers of the last step (synchronises with the device).
@@ -77,6 +82,8 @@ class BackwardStats:
         out["retained_mass"] = (None if self.retained_mass is None
                                 else float(self.retained_mass))
         out["backward_buffer_bytes"] = self.buffer_bytes if q is not None else None
+        if self.a2a_bytes:
+            out["a2a_bytes"] = dict(self.a2a_bytes)
         return out
 
 

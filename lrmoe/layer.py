@@ -43,13 +43,22 @@ class RoutedExperts(nn.Module):
         down_proj: (E, H, I) parameter.
     """
 
-    def __init__(self, config: LRMoEConfig) -> None:
+    def __init__(self, config: LRMoEConfig, ep_size: int = 1, ep_rank: int = 0) -> None:
         super().__init__()
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
         nn.init.normal_(self.gate_up_proj, std=0.02)
         nn.init.normal_(self.down_proj, std=0.02)
+        if ep_size > 1:
+            # initialise all E, keep this rank's shard: same RNG use (and weights) as one
+            # device, so a seeded EP model equals the seeded single-device model
+            el = e // ep_size
+            sl = slice(ep_rank * el, (ep_rank + 1) * el)
+            self.gate_up_proj = nn.Parameter(self.gate_up_proj.data[sl].clone())
+            self.down_proj = nn.Parameter(self.down_proj.data[sl].clone())
+            for p in (self.gate_up_proj, self.down_proj):
+                p._lrmoe_expert_parallel = True
 
 
 class LRMoELayer(nn.Module):
@@ -63,6 +72,16 @@ class LRMoELayer(nn.Module):
 
     Args:
         config: :class:`LRMoEConfig`.
+        ep_group: optional ``torch.distributed`` process group for expert parallelism
+            (:mod:`lrmoe.parallel`): the E experts are sharded evenly over its W ranks
+            (rank d holds experts ``[d*E/W, (d+1)*E/W)``, so ``experts.*`` have E/W rows),
+            tokens go to their experts by all-to-all and the backward is selected on the
+            token-owner rank before the gradient all-to-all. Constructing and every
+            forward/backward are collectives over the group. None: one device.
+
+    Raises:
+        ValueError: E not divisible by the EP size, or ranks of ``ep_group`` with
+            different MoE configurations.
 
     Attributes:
         gate: :class:`Router` (``gate.weight`` (E, H)).
@@ -76,11 +95,24 @@ class LRMoELayer(nn.Module):
         stats: :class:`lrmoe.experts.BackwardStats` of the last step.
     """
 
-    def __init__(self, config: LRMoEConfig) -> None:
+    def __init__(self, config: LRMoEConfig, ep_group=None) -> None:
         super().__init__()
         self.config = config
+        self.ep_group = ep_group
+        ep_size, ep_rank = 1, 0
+        if ep_group is not None:
+            import torch.distributed as dist
+
+            from lrmoe.parallel import check_config_across_ranks
+            ep_size, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+            if config.num_experts % ep_size:
+                raise ValueError(
+                    f"LRMoELayer: num_experts={config.num_experts} is not divisible by the "
+                    f"expert-parallel size {ep_size}; choose E a multiple of the EP size")
+            check_config_across_ranks(config, ep_group)
         self.gate = Router(config)
-        self.experts = RoutedExperts(config)
+        self.experts = (RoutedExperts(config) if ep_group is None
+                        else RoutedExperts(config, ep_size, ep_rank))
         self.shared_expert: Optional[SwiGLUMLP] = None
         self.shared_expert_gate: Optional[nn.Linear] = None
         if config.shared_expert_intermediate_size > 0:
@@ -136,8 +168,14 @@ class LRMoELayer(nn.Module):
             routing = self.gate(x_TH, expert_ids)
         self._record_routing(routing.logits_TE, routing.probs_TE, routing.expert_ids_TK)
 
-        out_TH = ExpertFunction.apply(x_TH, routing.weights_TK, routing.expert_ids_TK,
-                                      w_gate_up, w_down, cfg, self.stats)
+        if self.ep_group is None:
+            out_TH = ExpertFunction.apply(x_TH, routing.weights_TK, routing.expert_ids_TK,
+                                          w_gate_up, w_down, cfg, self.stats)
+        else:
+            from lrmoe.parallel import ExpertParallelFunction
+            out_TH = ExpertParallelFunction.apply(x_TH, routing.weights_TK,
+                                                  routing.expert_ids_TK, w_gate_up, w_down,
+                                                  cfg, self.stats, self.ep_group)
         if self.shared_expert is not None:
             shared_TH = self.shared_expert(x_TH)
             if self.shared_expert_gate is not None:

@@ -176,6 +176,12 @@ class TrainConfig:
             ``bfloat16`` (autocast; parameters and optimizer state stay float32).
         device: ``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``.
         torch_threads: CPU threads of torch (0: torch's default).
+        ep_size: expert-parallel size (``--ep N``); 1 = one process. N > 1 runs under
+            ``torchrun --nproc-per-node N`` (world size N, gloo on the CPU, NCCL on GPUs):
+            every MoE layer keeps E / N experts per rank (:mod:`lrmoe.parallel`), the rest
+            is data parallel, each rank trains on its own batches (rank-strided: a step
+            sees N * batch_size sequences), rank 0 writes the run files and ranks r > 0
+            write theirs (expert shards in their checkpoints) to ``out_dir/ep-rank-r``.
 
     Logging and checkpoints:
         eval_every: validation perplexity every this many steps (also at step 0 and at
@@ -229,6 +235,7 @@ class TrainConfig:
     dtype: str = "auto"
     device: str = "auto"
     torch_threads: int = 0
+    ep_size: int = 1
     eval_every: int = 50
     eval_batches: int = 8
     log_every: int = 1
@@ -258,7 +265,7 @@ class TrainConfig:
         """
         self.model.validate()
         positive = ("vocab_size", "seq_len", "batch_size", "grad_accum", "steps", "log_every",
-                    "keep_checkpoints")
+                    "keep_checkpoints", "ep_size")
         non_negative = ("warmup_steps", "seed", "torch_threads", "eval_every", "eval_batches",
                         "save_every")
         for name in positive + non_negative:
@@ -881,8 +888,35 @@ def _terminal_columns() -> int:
         return 0
 
 
+_QUIET = False  # ranks > 0 of an expert-parallel run print nothing
+
+
 def _log(text: str) -> None:
-    print(f"[lrmoe] {text}", file=sys.stderr, flush=True)
+    if not _QUIET:
+        print(f"[lrmoe] {text}", file=sys.stderr, flush=True)
+
+
+def _ep_rank(cfg: "TrainConfig") -> int:
+    """This process's rank in an expert-parallel run (torchrun's ``RANK``), else 0."""
+    return int(os.environ.get("RANK", "0")) if cfg.ep_size > 1 else 0
+
+
+def _init_expert_parallel(cfg: "TrainConfig") -> None:
+    """Join the torchrun process group (world size must equal ``ep_size``)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != cfg.ep_size:
+        raise ValueError(f"ep_size={cfg.ep_size} needs {cfg.ep_size} processes, but the world "
+                         f"size is {world}; launch with torchrun --nproc-per-node "
+                         f"{cfg.ep_size} ... --ep {cfg.ep_size}")
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo"
+        if backend == "nccl":  # one GPU per rank before NCCL binds the current device
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -967,7 +1001,14 @@ class Trainer:
                  step_callback: Optional[Callable[["Trainer", int], None]] = None) -> None:
         cfg.validate()
         self.cfg = cfg
+        self.ep_rank = _ep_rank(cfg)
         self.out_dir = Path(cfg.out_dir)
+        if self.ep_rank > 0:
+            self.out_dir = self.out_dir / f"ep-rank-{self.ep_rank}"
+            if resume is not None:  # this rank's shard of the same checkpoint
+                ckpt = Path(resume)
+                resume = ckpt.parent.parent / f"ep-rank-{self.ep_rank}" / ckpt.parent.name \
+                    / ckpt.name
         self.step_callback = step_callback
         self.stop_requested = False
         self.step = 0
@@ -1018,6 +1059,16 @@ class Trainer:
         _quiet_transformers()
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
+        self.ep_group = None
+        if cfg.ep_size > 1:
+            import torch.distributed as dist
+
+            global _QUIET
+            _init_expert_parallel(cfg)
+            self.ep_group = dist.group.WORLD
+            _QUIET = self.ep_rank > 0
+            if cfg.device in ("auto", "cuda") and torch.cuda.is_available():
+                cfg.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         self.device = _resolve_device(cfg.device)
         self.autocast_dtype = _resolve_autocast(cfg.dtype, self.device)
         if self.device.type == "cuda":
@@ -1035,10 +1086,14 @@ class Trainer:
             raise FileNotFoundError(f"tokenizer {tokenizer}: no such file (a tokenizers "
                                     "tokenizer.json)")
         t = time.perf_counter()
+        if self.ep_group is not None and self.ep_rank > 0:
+            torch.distributed.barrier()  # rank 0 fills the data/tokenizer cache first
         self.data = load_data(cfg.data, seq_len=cfg.seq_len, cache_dir=_cache_dir(cfg),
                               tokenizer=tokenizer, vocab_size=cfg.vocab_size,
                               val_fraction=cfg.val_fraction, max_records=cfg.max_records,
                               seed=cfg.seed)
+        if self.ep_group is not None and self.ep_rank == 0:
+            torch.distributed.barrier()
         for line in self.data.report.lines():
             _log(line)
         _log(f"data ready in {time.perf_counter() - t:.1f} s: {len(self.data.train)} training "
@@ -1065,11 +1120,13 @@ class Trainer:
         self.model = self._build_model()
         from lrmoe.integrations.transformers import patch_moe_blocks
 
-        patched = patch_moe_blocks(self.model, **cfg.lrmoe_settings)
+        patched = patch_moe_blocks(self.model, ep_group=self.ep_group, **cfg.lrmoe_settings)
         if not patched:
             raise ValueError(f"the model ({type(self.model).__name__}) has no sparse-MoE block "
                              "that lrmoe can replace")
         self.lrmoe_layers = dict(patched)
+        if self.ep_group is not None and self.resume_from is not None:
+            self._load_ep_weights(self.resume_from)
         self.trace = None
         if cfg.record_trace:
             from lrmoe.trace import RoutingTrace
@@ -1099,6 +1156,8 @@ class Trainer:
 
         cfg = self.cfg
         source = self.resume_from or (Path(cfg.init_from) if cfg.init_from else None)
+        if self.ep_group is not None and self.resume_from is not None:
+            source = None  # expert-sharded weights: built whole, sharded, then loaded
         if source is not None:
             if not (source / "config.json").is_file():
                 raise FileNotFoundError(f"init_from {source}: no config.json; expected a "
@@ -1131,6 +1190,24 @@ class Trainer:
         self.num_params = n_params
         return model
 
+    def _load_ep_weights(self, ckpt: Path) -> None:
+        from safetensors.torch import load_file
+
+        files = sorted(ckpt.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{ckpt}: no *.safetensors weights of this EP rank")
+        weights: Dict[str, Tensor] = {}
+        for f in files:
+            weights.update(load_file(str(f)))
+        self.model.load_state_dict(weights, strict=False)
+        own = self.model.state_dict()
+        missing = [k for k in own if k not in weights and not k.endswith("rotary_emb.inv_freq")]
+        bad = [k for k, v in weights.items() if k in own and own[k].shape != v.shape]
+        if bad or missing:
+            raise ValueError(f"{ckpt}: weights do not fit this rank's expert shard "
+                             f"(shape mismatch: {bad[:3]}, missing: {missing[:3]}); resume "
+                             "with the same ep_size")
+
     # ------------------------------------------------------------------ state
     def _load_state(self, state: Mapping[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
@@ -1158,7 +1235,17 @@ class Trainer:
         tmp = root / f".tmp-{final.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        self.model.save_pretrained(tmp, safe_serialization=True)
+        if self.ep_group is None:
+            self.model.save_pretrained(tmp, safe_serialization=True)
+        else:
+            # this rank's expert shards + the dense weights, raw state-dict keys (a
+            # transformers from_pretrained cannot read a shard; resume reads it)
+            from safetensors.torch import save_file
+
+            self.model.config.save_pretrained(tmp)
+            save_file({k: v.detach().contiguous().cpu()
+                       for k, v in self.model.state_dict().items()},
+                      str(tmp / f"model-ep-rank-{self.ep_rank}.safetensors"))
         shutil.copyfile(self.data.tokenizer_path, tmp / "tokenizer.json")
         (tmp / TRAIN_CONFIG_FILE).write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
         self._metrics.flush()
@@ -1177,6 +1264,7 @@ class Trainer:
             "elapsed_s": float(self.elapsed_before + time.perf_counter() - self._t_start),
             "metrics_bytes": int((self.out_dir / METRICS_FILE).stat().st_size),
             "data_fingerprint": self.data_fingerprint,
+            "ep_size": int(self.cfg.ep_size), "ep_rank": int(self.ep_rank),
         }
         torch.save(state, tmp / STATE_FILE)
         if final.exists():
@@ -1210,7 +1298,10 @@ class Trainer:
     def _train_step(self) -> Dict[str, Any]:
         cfg = self.cfg
         t0 = time.perf_counter()
-        micro = [self.stream.next() for _ in range(cfg.grad_accum)]
+        world = cfg.ep_size
+        # rank-strided: every rank reads the same stream and keeps every world-th batch
+        micro = [[self.stream.next() for _ in range(world)][self.ep_rank]
+                 for _ in range(cfg.grad_accum)]
         num_loss = sum(int((labels[:, 1:] != -100).sum()) for _, labels in micro)
         denom = max(num_loss, 1)
         self.optimizer.zero_grad(set_to_none=True)
@@ -1230,7 +1321,19 @@ class Trainer:
             loss.backward()
             nll_total += nll.detach()
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if self.ep_group is not None:
+            from lrmoe import parallel
+
+            # loss = mean of the ranks' losses: average dense grads, scale expert grads
+            parallel.allreduce_non_expert_grads(self.model, self.ep_group)
+            grad_norm = parallel.clip_grad_norm_(self.model, max_norm, self.ep_group)
+            totals = torch.stack([nll_total.detach().float(),
+                                  torch.tensor(float(num_loss), device=self.device)])
+            torch.distributed.all_reduce(totals, group=self.ep_group)
+            nll_total, num_loss = totals[0], int(totals[1])
+            denom = max(num_loss, 1)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -1242,7 +1345,7 @@ class Trainer:
             raise FloatingPointError(
                 f"step {self.step}: the loss is {lm_loss}; lower lr (now {cfg.lr}) or raise "
                 "warmup_steps")
-        tokens = sum(ids.numel() for ids, _ in micro)
+        tokens = sum(ids.numel() for ids, _ in micro) * world
         self.tokens_seen += tokens
         dt = time.perf_counter() - t0
         return {"kind": "train", "step": self.step, "loss": lm_loss,
@@ -1344,7 +1447,8 @@ class Trainer:
                          title=self._plot_title())
         summary = self._summary(start_step, interrupted)
         (self.out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-        print_summary(summary)
+        if not _QUIET:
+            print_summary(summary)
         if interrupted:
             _log(f"interrupted at step {self.step}; checkpoint {self.last_checkpoint}. "
                  f"Continue with: lrmoe train --out {cfg.out_dir} --resume")

@@ -148,7 +148,7 @@ class TransformersMoELayer(LRMoELayer):
     """
 
     def __init__(self, block: nn.Module, family: _Family, config: LRMoEConfig,
-                 layer_index: int) -> None:
+                 layer_index: int, ep_group: Any = None) -> None:
         # The base class builds fresh parameters; on "meta" they cost nothing and are
         # dropped right below in favour of the block's own modules.
         with torch.device("meta"):
@@ -169,6 +169,30 @@ class TransformersMoELayer(LRMoELayer):
         self.model_type = family.model_type
         self.layer_index = layer_index
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0)) if family.jitter else 0.0
+        if ep_group is not None:
+            self._shard_experts(ep_group)
+
+    def _shard_experts(self, ep_group: Any) -> None:
+        # keep this rank's contiguous slice of the experts (lrmoe.parallel); the router and
+        # everything else stay whole (data parallel)
+        import torch.distributed as dist
+
+        from lrmoe.parallel import EXPERT_PARAM_ATTR, check_config_across_ranks
+        world, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+        e = self.config.num_experts
+        if e % world:
+            raise ValueError(f"{self.model_type} layer {self.layer_index}: num_experts={e} is "
+                             f"not divisible by the expert-parallel size {world}; choose E a "
+                             "multiple of the EP size")
+        check_config_across_ranks(self.config, ep_group)
+        el = e // world
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(self.experts, name)
+            shard = nn.Parameter(full.detach()[rank * el:(rank + 1) * el].clone(),
+                                 requires_grad=full.requires_grad)
+            setattr(shard, EXPERT_PARAM_ATTR, True)
+            setattr(self.experts, name, shard)
+        self.ep_group = ep_group
 
     def set_recalibration(self, **changes) -> None:
         """Change planned-backward settings (e.g. ``recalibration_rate=0.2``) in place.
@@ -231,8 +255,14 @@ class TransformersMoELayer(LRMoELayer):
             dtype = torch.get_autocast_dtype(device_type)
             x_expert_TH, w_gate_up, w_down = (x_TH.to(dtype), w_gate_up.to(dtype),
                                               w_down.to(dtype))
-        out_TH = ExpertFunction.apply(x_expert_TH, weights_TK.float(), expert_ids_TK,
-                                      w_gate_up, w_down, cfg, self.stats).to(in_dtype)
+        if self.ep_group is None:
+            out_TH = ExpertFunction.apply(x_expert_TH, weights_TK.float(), expert_ids_TK,
+                                          w_gate_up, w_down, cfg, self.stats).to(in_dtype)
+        else:
+            from lrmoe.parallel import ExpertParallelFunction
+            out_TH = ExpertParallelFunction.apply(
+                x_expert_TH, weights_TK.float(), expert_ids_TK, w_gate_up, w_down, cfg,
+                self.stats, self.ep_group).to(in_dtype)
         family = self._family
         if family.shared is not None:
             shared_TH = getattr(self, family.shared)(x_TH)
@@ -368,7 +398,7 @@ def _find_blocks(model: nn.Module) -> Tuple[List[Tuple[str, nn.Module, _Family]]
 
 
 # ------------------------------------------------------------------------------- public
-def patch_moe_blocks(model: nn.Module, settings: Any = None, /,
+def patch_moe_blocks(model: nn.Module, settings: Any = None, /, *, ep_group: Any = None,
                      **overrides: Any) -> List[Tuple[str, TransformersMoELayer]]:
     """Replace every sparse-MoE block of a transformers model by an LRMoE layer, in place.
 
@@ -389,6 +419,9 @@ def patch_moe_blocks(model: nn.Module, settings: Any = None, /,
         **overrides: the same fields as keywords (they win over ``settings``); also
             ``router_aux_loss_coef`` / ``router_z_loss_coef`` of ``layer.aux_loss``.
             Layer i gets the seed ``seed + i * SEED_STRIDE``.
+        ep_group: optional ``torch.distributed`` group for expert parallelism
+            (:mod:`lrmoe.parallel`): each layer keeps only this rank's E / W experts (a
+            collective over the group; every rank must patch the same model).
 
     Returns:
         ``[(module name, layer), ...]`` in model order, e.g.
@@ -433,7 +466,7 @@ def patch_moe_blocks(model: nn.Module, settings: Any = None, /,
                 f"patch_moe_blocks: block {name!r} has forward hooks (e.g. from accelerate "
                 "or a profiler) that would be lost; patch the model before adding them")
         config = _layer_config(name, block, family, model, chosen, index)
-        layer = TransformersMoELayer(block, family, config, index)
+        layer = TransformersMoELayer(block, family, config, index, ep_group)
         layer.train(block.training)
         layers.append((name, layer))
     for name, layer in layers:

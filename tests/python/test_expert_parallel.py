@@ -1,0 +1,370 @@
+"""Expert parallelism (lrmoe.parallel) on CPU with gloo, world sizes 2 and 4.
+
+Each test spawns W processes on 127.0.0.1 (free port, 30 s collective timeout). Every rank
+builds the EP layer and, from the same seed, the single-process layer (same weights: the
+EP shard is a slice of the same initialisation), runs the full batch split over ranks and
+compares. The c > 0 reference (retained set by global quota -> per-(source, expert) share
+by largest remainder -> top scores) is written here in plain float64 PyTorch / Python
+Fractions from DESIGN.md, not from the code under test.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from lrmoe.config import LRMoEConfig
+from lrmoe.layer import LRMoELayer
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, fn, args):
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=30))
+    try:
+        fn(rank, world, *args)
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(fn, world, *args):
+    mp.spawn(_worker, args=(world, _free_port(), fn, args), nprocs=world, join=True)
+
+
+def _cfg(**kw):
+    base = dict(hidden_size=8, moe_intermediate_size=6, num_experts=4, top_k=2,
+                router_aux_loss_coef=0.0)
+    base.update(kw)
+    return LRMoEConfig(**base)
+
+
+def _layers(cfg, seed=0):
+    torch.manual_seed(seed)
+    ep = LRMoELayer(cfg, ep_group=dist.group.WORLD).double()
+    torch.manual_seed(seed)
+    ref = LRMoELayer(cfg.replace(recalibration_rate=0.0)).double()
+    return ep, ref
+
+
+def _split(total, world, sizes=None):
+    if sizes is None:
+        sizes = [len(c) for c in torch.arange(total).tensor_split(world)]
+    starts = [sum(sizes[:r]) for r in range(world)]
+    return sizes, starts
+
+
+# --------------------------------------------------------------- c = 0: equals one device
+def _check_exact(rank, world, total, sizes, forced):
+    cfg = _cfg(num_experts=2 * world)
+    ep, ref = _layers(cfg, seed=3)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(total, 8, generator=gen, dtype=torch.float64)
+    w_out = torch.randn(total, 8, generator=gen, dtype=torch.float64)
+    ids = None
+    if forced == "one_rank":   # every token to rank 0's experts
+        ids = torch.stack([torch.zeros(total, dtype=torch.long),
+                           torch.ones(total, dtype=torch.long)], 1)
+    elif forced == "skip_expert":   # expert 1 (and every expert of the last rank but one) idle
+        ids = torch.stack([torch.zeros(total, dtype=torch.long),
+                           torch.full((total,), 2 * world - 1, dtype=torch.long)], 1)
+    sizes, starts = _split(total, world, sizes)
+    sl = slice(starts[rank], starts[rank] + sizes[rank])
+    x_ref = x.clone().requires_grad_()
+    o_ref = ref(x_ref, ids)
+    (o_ref * w_out).sum().backward()
+    x_ep = x[sl].clone().requires_grad_()
+    o_ep = ep(x_ep, None if ids is None else ids[sl])
+    (o_ep * w_out[sl]).sum().backward()
+    torch.testing.assert_close(o_ep, o_ref[sl], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x_ep.grad, x_ref.grad[sl], rtol=1e-10, atol=1e-12)
+    g_gate = ep.gate.weight.grad.clone()
+    dist.all_reduce(g_gate)
+    torch.testing.assert_close(g_gate, ref.gate.weight.grad, rtol=1e-5, atol=1e-7)  # fp32 router
+    el = cfg.num_experts // world
+    es = slice(rank * el, (rank + 1) * el)
+    torch.testing.assert_close(ep.experts.gate_up_proj.grad,
+                               ref.experts.gate_up_proj.grad[es], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ep.experts.down_proj.grad, ref.experts.down_proj.grad[es],
+                               rtol=1e-10, atol=1e-12)
+    assert ep.experts.gate_up_proj.shape[0] == el
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_c0_matches_single_process(world):
+    _spawn(_check_exact, world, 37, None, None)
+
+
+def test_zero_token_rank_and_forced_routing():
+    _spawn(_check_zero_cases, 2)
+
+
+def _check_zero_cases(rank, world):
+    _check_exact(rank, world, 9, [9, 0], None)          # rank 1 owns no tokens
+    _check_exact(rank, world, 11, None, "one_rank")     # rank 1's experts get nothing
+    _check_exact(rank, world, 11, None, "skip_expert")  # experts 1, 2 idle everywhere
+    # c > 0 with the same degenerate routings: runs, finite, no hang
+    cfg = _cfg(num_experts=4, recalibration_rate=0.3)
+    ep, _ = _layers(cfg)
+    for n_local, ids in ((0 if rank else 7, None),
+                         (6, torch.zeros(6, 2, dtype=torch.long).add_(torch.tensor([0, 1])))):
+        x = torch.randn(n_local, 8, dtype=torch.float64, requires_grad=True)
+        o = ep(x, ids)
+        o.square().sum().backward()
+        assert torch.isfinite(x.grad).all()
+        assert torch.isfinite(ep.experts.down_proj.grad).all()
+
+
+# ----------------------------------------------------------- c > 0: independent reference
+def _largest_remainder(ideal, total):
+    """Round the rationals ``ideal`` to integers summing to ``total`` (largest remainder,
+    ties to the lower index)."""
+    base = [int(v) for v in ideal]
+    order = sorted(range(len(ideal)), key=lambda i: (-(ideal[i] - base[i]), i))
+    for i in order[: total - sum(base)]:
+        base[i] += 1
+    return base
+
+
+def _ref_expert_grads(x, w_out, weights, ids, wgu, wd, sizes, starts, c):
+    """float64 plain-torch expert gradients and dx from the retained pairs."""
+    T, K = ids.shape
+    E, I = wgu.shape[0], wd.shape[2]
+    world = len(sizes)
+    src = torch.repeat_interleave(torch.arange(world), torch.tensor(sizes))
+    a = torch.einsum("th,eih->tei", x, wgu[:, :I])
+    b = torch.einsum("th,eih->tei", x, wgu[:, I:])
+    phi = F.silu(a) * b                                   # (T, E, I) every (token, expert)
+    pairs = [(t, k, int(ids[t, k])) for t in range(T) for k in range(K)]
+    n = [[0] * E for _ in range(world)]
+    for t, k, e in pairs:
+        n[int(src[t])][e] += 1
+    N = [sum(n[s][e] for s in range(world)) for e in range(E)]
+    keep_frac = 1 - Fraction(c).limit_denominator(1 << 20)
+    # global quota: (1 - c) N_e by largest remainder, sum floor((1 - c) sum N)
+    Q = _largest_remainder([keep_frac * v for v in N], int(keep_frac * sum(N)))
+    share = [[0] * E for _ in range(world)]
+    for e in range(E):
+        # source s's share: Q_e n[s][e] / N_e by largest remainder, ties to the lower rank
+        col = (_largest_remainder([Fraction(Q[e] * n[s][e], N[e]) for s in range(world)], Q[e])
+               if N[e] else [0] * world)
+        for s in range(world):
+            share[s][e] = col[s]
+    kept = set()
+    for s in range(world):
+        for e in range(E):
+            cand = [(t, k) for t, k, ee in pairs if ee == e and int(src[t]) == s]
+            score = {(t, k): float(weights[t, k]) ** 2 * float(w_out[t].square().sum())
+                     * float(phi[t, e].square().sum()) for t, k in cand}
+            # local pair id order = (t - start) * K + k: same order as global (t, k)
+            best = sorted(cand, key=lambda p: (-score[p], p))[: share[s][e]]
+            kept.update(best)
+    gwgu, gwd, dx = torch.zeros_like(wgu), torch.zeros_like(wd), torch.zeros_like(x)
+    for t, k, e in pairs:
+        if (t, k) not in kept:
+            continue
+        G = weights[t, k] * w_out[t]
+        gwd[e] += torch.outer(G, phi[t, e])
+        dphi = wd[e].t() @ G
+        sa = torch.sigmoid(a[t, e])
+        da = dphi * b[t, e] * sa * (1 + a[t, e] * (1 - sa))
+        db = dphi * F.silu(a[t, e])
+        gwgu[e, :I] += torch.outer(da, x[t])
+        gwgu[e, I:] += torch.outer(db, x[t])
+        dx[t] += wgu[e, :I].t() @ da + wgu[e, I:].t() @ db
+    return gwgu, gwd, dx, len(kept)
+
+
+def _check_selective(rank, world, c):
+    cfg = _cfg(num_experts=2 * world, recalibration_rate=c)
+    ep, ref = _layers(cfg, seed=5)
+    total = 29
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(total, 8, generator=gen, dtype=torch.float64)
+    w_out = torch.randn(total, 8, generator=gen, dtype=torch.float64)
+    sizes, starts = _split(total, world)
+    sl = slice(starts[rank], starts[rank] + sizes[rank])
+    x_ref = x.clone().requires_grad_()
+    (ref(x_ref) * w_out).sum().backward()          # exact: router gradient is c-independent
+    x_ep = x[sl].clone().requires_grad_()
+    (ep(x_ep) * w_out[sl]).sum().backward()
+    g_gate = ep.gate.weight.grad.clone()
+    dist.all_reduce(g_gate)
+    torch.testing.assert_close(g_gate, ref.gate.weight.grad, rtol=1e-5, atol=1e-7)  # fp32 router
+
+    with torch.no_grad():
+        routing = ref.gate(x)
+    gwgu, gwd, dx_expert, n_kept = _ref_expert_grads(
+        x, w_out, routing.weights_TK.double(), routing.expert_ids_TK,
+        ref.experts.gate_up_proj.detach(), ref.experts.down_proj.detach(), sizes, starts, c)
+    el = cfg.num_experts // world
+    es = slice(rank * el, (rank + 1) * el)
+    torch.testing.assert_close(ep.experts.gate_up_proj.grad, gwgu[es], rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(ep.experts.down_proj.grad, gwd[es], rtol=1e-9, atol=1e-11)
+    # dx = expert part from the kept pairs + router part (exact, c-independent)
+    x_r = x.clone().requires_grad_()
+    routing_r = ref.gate(x_r)
+    with torch.no_grad():
+        y = torch.stack([ref.experts.down_proj[e] @ (
+            F.silu(ref.experts.gate_up_proj[e, :6] @ x[t]) * (ref.experts.gate_up_proj[e, 6:] @ x[t]))
+            for t in range(total) for e in routing.expert_ids_TK[t].tolist()]).view(total, 2, 8)
+    dalpha = torch.einsum("tkh,th->tk", y, w_out)
+    (dx_router,) = torch.autograd.grad(routing_r.weights_TK, x_r, grad_outputs=dalpha.float())
+    torch.testing.assert_close(x_ep.grad, (dx_expert + dx_router)[sl], rtol=1e-5, atol=1e-7)
+    kept = torch.tensor([ep.stats.num_retained])
+    dist.all_reduce(kept)
+    assert int(kept) == n_kept == int((1 - Fraction(c)) * total * cfg.top_k)
+
+
+@pytest.mark.parametrize("world,c", [(2, 0.3), (4, 0.25)])
+def test_selective_matches_per_source_quota_reference(world, c):
+    _spawn(_check_selective, world, c)
+
+
+# --------------------------------------------------------------------- all-to-all bytes
+def _check_bytes(rank, world):
+    totals = {}
+    for c in (0.0, 0.3):
+        cfg = _cfg(num_experts=2 * world, recalibration_rate=c)
+        ep, _ = _layers(cfg, seed=1)
+        torch.manual_seed(100 + rank)
+        x = torch.randn(40, 8, dtype=torch.float64, requires_grad=True)
+        ep(x).square().sum().backward()
+        b = ep.diagnostics()["a2a_bytes"]
+        t = torch.tensor([b["backward_grad"] + b["backward_dx"], b["backward_index"],
+                          b["forward_dispatch"]], dtype=torch.float64)
+        dist.all_reduce(t)
+        totals[c] = t
+    assert totals[0.3][2] == totals[0.0][2]                       # forward unchanged
+    assert totals[0.3][0] <= 0.7 * totals[0.0][0]                 # payload rows
+    assert totals[0.3][0] + totals[0.3][1] <= 0.7 * (totals[0.0][0] + totals[0.0][1]) + 8
+
+
+def test_backward_bytes_shrink_with_c():
+    _spawn(_check_bytes, 2)
+
+
+# ---------------------------------------------------------------------- config mismatch
+def _check_mismatch(rank, world):
+    cfg = _cfg(moe_intermediate_size=6 if rank == 0 else 10)
+    with pytest.raises(ValueError, match="disagree.*ranks \\[1\\]"):
+        LRMoELayer(cfg, ep_group=dist.group.WORLD)
+    with pytest.raises(ValueError, match="num_experts=5 is not divisible by the "
+                                         "expert-parallel size 2"):
+        LRMoELayer(_cfg(num_experts=5, top_k=2), ep_group=dist.group.WORLD)
+    # drift after construction (set_recalibration on one rank) fails at the next forward
+    layer = LRMoELayer(_cfg(), ep_group=dist.group.WORLD).double()
+    if rank == 1:
+        layer.set_recalibration(recalibration_rate=0.2)
+    with pytest.raises(ValueError, match="disagree"):
+        layer(torch.randn(5, 8, dtype=torch.float64))
+
+
+def test_mismatched_config_fails_fast():
+    _spawn(_check_mismatch, 2)
+
+
+# ------------------------------------------- data-parallel grads, global clip, checkpoints
+def _check_dp_helpers(rank, world):
+    from lrmoe.parallel import (allreduce_non_expert_grads, clip_grad_norm_,
+                                expert_state_dict, is_expert_param, load_expert_state_dict)
+    cfg = _cfg(num_experts=4, shared_expert_intermediate_size=5)
+    ep, ref = _layers(cfg, seed=9)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(13, 8, generator=gen, dtype=torch.float64)
+    w_out = torch.randn(13, 8, generator=gen, dtype=torch.float64)
+    sizes, starts = _split(13, world)
+    sl = slice(starts[rank], starts[rank] + sizes[rank])
+    (ref(x) * w_out).sum().backward()
+    (ep(x[sl]) * w_out[sl]).sum().backward()
+    allreduce_non_expert_grads(ep)
+    el = cfg.num_experts // world
+    for (name, p), (_, q) in zip(ep.named_parameters(), ref.named_parameters()):
+        # loss = mean of the ranks' losses: every gradient is the full-batch one / W
+        want = q.grad[rank * el:(rank + 1) * el] if is_expert_param(p) else q.grad
+        torch.testing.assert_close(p.grad * world, want, rtol=1e-5, atol=1e-7, msg=name)
+    expect_sq = sum(float(q.grad.double().square().sum()) / world ** 2
+                    for q in ref.parameters())
+    before = [p.grad.clone() for p in ep.parameters()]
+    norm = clip_grad_norm_(ep, max_norm=0.5 * expect_sq ** 0.5)
+    assert abs(float(norm) - expect_sq ** 0.5) <= 1e-5 * expect_sq ** 0.5
+    for b, p in zip(before, ep.parameters()):
+        torch.testing.assert_close(p.grad, b * 0.5, rtol=1e-5, atol=1e-12)
+    # checkpoints: same EP size loads; another EP size fails with a clear message
+    ckpt = expert_state_dict(ep)
+    fresh, _ = _layers(cfg, seed=123)
+    load_expert_state_dict(fresh, ckpt)
+    torch.testing.assert_close(fresh.experts.down_proj, ep.experts.down_proj)
+    with pytest.raises(ValueError, match="expert-parallel size 4 but this run has EP size 2"):
+        load_expert_state_dict(fresh, {**ckpt, "ep_size": 4})
+
+
+def test_data_parallel_grads_global_clip_and_checkpoint():
+    _spawn(_check_dp_helpers, 2)
+
+
+# ------------------------------------------------------------- lrmoe train --ep 2 (torchrun)
+def _torchrun(args, cwd, nproc=2, timeout=120):
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                 str(nproc), "--master-addr", "127.0.0.1", "--master-port",
+                 str(_free_port())] if nproc else [sys.executable])
+    return subprocess.run(launcher + ["-m", "lrmoe", "train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_lrmoe_train_ep2_resume_and_ep_size_check(tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_train import micro
+    from lrmoe import train as T
+
+    cfg_file = tmp_path / "cfg.yaml"
+    cfg_file.write_text(T.config_yaml(micro(tmp_path, steps=4, eval_every=0, save_every=2)))
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    r = _torchrun(["--config", str(cfg_file), "--ep", "2", "--out", str(straight)], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # every rank resumes its own shard of step 2 and trains steps 3, 4 again
+    r = _torchrun(["--resume", str(straight / "checkpoints" / "step-00000002"), "--out",
+                   str(resumed)], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    def losses(run):
+        return [(x["step"], x["loss"], x["grad_norm"]) for x in map(
+            json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if x["kind"] == "train"]
+    a, b = losses(straight), losses(resumed)
+    assert [s for s, _, _ in a] == [1, 2, 3, 4] and a == b, (a, b)
+    # rank 1 trained its own expert shard: half the experts in its checkpoint
+    from safetensors.torch import load_file
+    shard = load_file(str(straight / "ep-rank-1" / "checkpoints" / "step-00000004"
+                          / "model-ep-rank-1.safetensors"))
+    assert shard["model.layers.0.mlp.experts.down_proj"].shape[0] == 2
+    # a different EP size is refused with a message naming it
+    r = _torchrun(["--out", str(resumed), "--resume", "--steps", "6", "--ep", "1"], tmp_path,
+                  nproc=0)
+    assert r.returncode != 0 and "ep_size: checkpoint 2, now 1" in r.stderr, r.stderr[-2000:]
