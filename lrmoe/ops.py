@@ -153,6 +153,32 @@ def quota(tokens_per_expert: Tensor, recalibration_rate: float,
     return _ops.quota(tokens_per_expert, float(recalibration_rate), rule)
 
 
+def source_shares(counts: Tensor, quota: Tensor) -> Tensor:
+    """Split each expert's global quota over the source ranks (largest remainder).
+
+    For expert parallelism: with n[s, e] = ``counts[s, e]`` and N_e = sum_s n[s, e],
+    ``share[s, e] = floor(Q_e n[s, e] / N_e)`` plus one for the
+    ``Q_e - sum_s floor(Q_e n[s, e] / N_e)`` sources with the largest remainders
+    ``(Q_e n[s, e]) mod N_e``, ties to the lower source rank. Exact integer arithmetic
+    (``csrc/core/quota.h``, ``source_share``), computed on the tensors' device with no
+    host sync, so every rank gets identical shares. Counts [[3], [1]] with Q = [2] give
+    [[2], [0]] (3*2/4 = 1.5 and 1*2/4 = 0.5: equal remainders, the tie goes to rank 0).
+
+    Args:
+        counts: ``(W, E)`` int32 routed pairs of each source rank per expert, >= 0.
+        quota: ``(E,)`` int32 global quotas, ``0 <= Q_e <= N_e``.
+
+    Returns:
+        ``(W, E)`` int32 with ``sum_s share[s, e] == Q_e`` and ``0 <= share <= counts``.
+
+    Raises:
+        RuntimeError: wrong rank/dtype, ``quota`` length other than E, different devices;
+            on CPU also negative counts or a quota outside ``[0, N_e]`` (the CUDA path
+            cannot check values without a sync).
+    """
+    return _ops.source_shares(counts, quota)
+
+
 def select(score: Tensor, row_pair: Tensor, offsets: Tensor, quota: Tensor, num_retained: int,
            selection: str = "topk", seed: int = 0
            ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -284,6 +310,11 @@ def _(grad_out, weights, phi_sq, row_pair, metric, seed):
 @_fake("lrmoe::quota")
 def _(tokens_per_expert, recalibration_rate, rule):
     return tokens_per_expert.new_empty(tokens_per_expert.shape[0], dtype=torch.int32)
+
+
+@_fake("lrmoe::source_shares")
+def _(counts, quota):
+    return counts.new_empty(counts.shape[0], counts.shape[1], dtype=torch.int32)
 
 
 @_fake("lrmoe::select")

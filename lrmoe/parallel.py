@@ -108,29 +108,17 @@ def source_shares(counts_WE: Tensor, quota_E: Tensor) -> Tensor:
 
     share[s, e] = floor(Q_e n[s, e] / N_e) plus one for the ``Q_e - sum_s floor(...)``
     sources with the largest remainders ``Q_e n[s, e] mod N_e`` (ties to the lower rank).
-    Torch ops on the counts' device, no host sync; identical on every rank.
+    Runs :func:`lrmoe.ops.source_shares` (exact integer C++) on the counts' device, no
+    host sync; identical on every rank.
 
     Args:
-        counts_WE: (W, E) int64 routed pairs of each source rank per expert.
+        counts_WE: (W, E) integer routed pairs of each source rank per expert.
         quota_E: (E,) global quotas, ``Q_e <= N_e = sum_s n[s, e]``.
 
     Returns:
         (W, E) int64 with ``sum_s share[s, e] == Q_e`` and ``share <= counts``.
     """
-    n = counts_WE.long()
-    q = quota_E.long().unsqueeze(0)
-    total = n.sum(0, keepdim=True).clamp_min(1)
-    num = q * n
-    base = num // total
-    rem = num % total
-    extra = q - base.sum(0, keepdim=True)  # (1, E)
-    w = n.shape[0]
-    idx = torch.arange(w, device=n.device)
-    # rank of (s, e) within column e: remainder descending, then source ascending
-    ahead = (rem.unsqueeze(0) > rem.unsqueeze(1)) | (
-        (rem.unsqueeze(0) == rem.unsqueeze(1)) & (idx.view(1, w, 1) < idx.view(w, 1, 1)))
-    rank = ahead.long().sum(1)  # (W, E): [s, e] = #s' ahead of s
-    return base + (rank < extra).long()
+    return ops.source_shares(counts_WE.to(torch.int32), quota_E.to(torch.int32)).long()
 
 
 def _source_to_expert_order(blocks_WL: Tensor, num_rows: int):

@@ -146,6 +146,35 @@ LRMOE_HD inline int64_t expert_quota(QuotaRule rule, int64_t e, const int32_t* n
                                         : proportional_quota(e, n_E, E, recalibration_rate);
 }
 
+// Expert parallelism: split expert e's global quota Q_e over the W source ranks
+// by largest remainder. n[s, e] = counts_WE[s * E + e], N_e = sum_s n[s, e]:
+//   share[s, e] = floor(Q_e n[s, e] / N_e), plus one for the Q_e - sum_s floor(...)
+//   sources with the largest remainders (Q_e n[s, e]) mod N_e (ties: lower rank).
+// Integer arithmetic only, so every rank and device computes identical shares.
+// Requires n >= 0 and 0 <= Q_e <= N_e (then share <= n, since a source with a
+// zero remainder never gets an extra: sum_s rem = N_e * extra and rem < N_e).
+// O(W) per (s, e), so one (s, e) per thread on the device.
+LRMOE_HD inline int64_t source_share(int64_t s, int64_t e, const int32_t* counts_WE, int64_t W,
+                                     int64_t E, int64_t quota_e) {
+  int64_t total = 0;
+  for (int64_t j = 0; j < W; ++j) total += counts_WE[j * E + e];
+  if (total <= 0) total = 1;  // N_e = 0 forces Q_e = 0: every share is 0
+  int64_t base_sum = 0;
+  for (int64_t j = 0; j < W; ++j) base_sum += quota_e * counts_WE[j * E + e] / total;
+  const int64_t extra = quota_e - base_sum;
+  const int64_t num_s = quota_e * counts_WE[s * E + e];
+  const int64_t base_s = num_s / total;
+  const int64_t rem_s = num_s % total;
+  // rank of s by remainder descending, then rank ascending
+  int64_t rank = 0;
+  for (int64_t j = 0; j < W; ++j) {
+    if (j == s) continue;
+    const int64_t rem_j = quota_e * counts_WE[j * E + e] % total;
+    if (rem_j > rem_s || (rem_j == rem_s && j < s)) ++rank;
+  }
+  return base_s + (rank < extra ? 1 : 0);
+}
+
 // Host helper: all quotas at once (O(E^2 log N); E is at most a few thousand).
 inline void compute_quotas(QuotaRule rule, const int32_t* n_E, int64_t E,
                            double recalibration_rate, int32_t* quota_E) {

@@ -24,6 +24,9 @@ TORCH_LIBRARY(lrmoe, m) {
   m.def("score(Tensor grad_out, Tensor weights, Tensor phi_sq, Tensor row_pair, str metric, int seed) -> Tensor");
   // retention quota per expert (E) int32; rule in {proportional, water_level}.
   m.def("quota(Tensor tokens_per_expert, float recalibration_rate, str rule) -> Tensor");
+  // expert parallelism: split quota (E) int32 over the source ranks of counts (W, E)
+  // int32 by largest remainder -> shares (W, E) int32, sum_s shares[s, e] == quota[e].
+  m.def("source_shares(Tensor counts, Tensor quota) -> Tensor");
   // -> kept_rows (R), kept_pair (R), pair_kept (P, -1 = dropped), kept_offsets (E),
   //    kept_scale (R) fp32, retained_mass () fp32; selection in {topk, importance}.
   m.def("select(Tensor score, Tensor row_pair, Tensor offsets, Tensor quota, int num_retained, "

@@ -350,4 +350,96 @@ TEST(WaterLevel, SumIsFloorOfKeptFractionOnLargeLoads) {
   }
 }
 
+// ---- source shares (expert parallelism) ---------------------------------------
+
+// Column-major view of one expert: shares of every source for a given expert, from
+// core::source_share on a (W, E) row-major table.
+std::vector<int32_t> shares_of(const std::vector<int32_t>& counts_WE, int64_t W, int64_t E,
+                               int64_t e, int64_t quota_e) {
+  std::vector<int32_t> out(W);
+  for (int64_t s = 0; s < W; ++s)
+    out[s] = static_cast<int32_t>(
+        lrmoe::core::source_share(s, e, counts_WE.data(), W, E, quota_e));
+  return out;
+}
+
+// Brute-force largest remainder with rationals: ideal share x_s = Q n_s / N kept as
+// a reduced fraction; floor it, compare fractional parts by cross-multiplication
+// (__int128), stable sort (equal parts stay in rank order), one extra to each of the
+// first Q - sum(floor).
+std::vector<int32_t> ref_source_shares(const std::vector<int32_t>& n_W, int64_t Q) {
+  const size_t W = n_W.size();
+  int64_t N = 0;
+  for (int32_t n : n_W) N += n;
+  std::vector<int32_t> share(W, 0);
+  if (N == 0) return share;  // Q must be 0
+  struct Frac { int64_t num, den; };
+  std::vector<Frac> frac(W);
+  int64_t floors = 0;
+  for (size_t s = 0; s < W; ++s) {
+    int64_t num = Q * n_W[s], den = N;
+    const int64_t g = std::gcd(num, den);
+    num /= g; den /= g;
+    share[s] = static_cast<int32_t>(num / den);
+    floors += share[s];
+    frac[s] = {num - (num / den) * den, den};
+  }
+  std::vector<size_t> order(W);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    __extension__ typedef __int128 i128;
+    return static_cast<i128>(frac[a].num) * frac[b].den >
+           static_cast<i128>(frac[b].num) * frac[a].den;
+  });
+  for (int64_t i = 0; i < Q - floors; ++i) share[order[i]] += 1;
+  return share;
+}
+
+TEST(SourceShare, HandExamples) {
+  // counts [[3], [1]], Q = 2: ideal 1.5 and 0.5, equal remainders -> rank 0 gets it.
+  EXPECT_EQ(shares_of({3, 1}, 2, 1, 0, 2), (std::vector<int32_t>{2, 0}));
+  // counts [5, 3, 2], Q = 7: ideal 3.5, 2.1, 1.4 -> floors 3, 2, 1 (sum 6); largest
+  // remainder 0.5 (rank 0) -> [4, 2, 1].
+  EXPECT_EQ(shares_of({5, 3, 2}, 3, 1, 0, 7), (std::vector<int32_t>{4, 2, 1}));
+  // counts [1, 1, 1], Q = 2: all remainders 2/3 -> ranks 0 and 1.
+  EXPECT_EQ(shares_of({1, 1, 1}, 3, 1, 0, 2), (std::vector<int32_t>{1, 1, 0}));
+  // Q = 0 and Q = N.
+  EXPECT_EQ(shares_of({4, 0, 9}, 3, 1, 0, 0), (std::vector<int32_t>{0, 0, 0}));
+  EXPECT_EQ(shares_of({4, 0, 9}, 3, 1, 0, 13), (std::vector<int32_t>{4, 0, 9}));
+  // expert with no pairs anywhere.
+  EXPECT_EQ(shares_of({0, 0}, 2, 1, 0, 0), (std::vector<int32_t>{0, 0}));
+  // (W, E) = (2, 2) row-major: expert 0 counts [2, 2] Q = 1 -> [1, 0];
+  // expert 1 counts [1, 3] Q = 3 -> ideal 0.75, 2.25 -> [1, 2].
+  const std::vector<int32_t> c = {2, 1, 2, 3};
+  EXPECT_EQ(shares_of(c, 2, 2, 0, 1), (std::vector<int32_t>{1, 0}));
+  EXPECT_EQ(shares_of(c, 2, 2, 1, 3), (std::vector<int32_t>{1, 2}));
+}
+
+TEST(SourceShare, MatchesRationalLargestRemainderReference) {
+  std::mt19937_64 rng(11);
+  auto uni = [&](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
+  for (int it = 0; it < 3000; ++it) {
+    const int64_t W = uni(1, 17), E = uni(1, 9);
+    const int64_t hi = uni(0, 3) == 0 ? 2000000 : uni(1, 40);
+    std::vector<int32_t> counts_WE(W * E);
+    for (auto& v : counts_WE) v = uni(0, 2) == 0 ? 0 : static_cast<int32_t>(uni(0, hi));
+    for (int64_t e = 0; e < E; ++e) {
+      std::vector<int32_t> n_W(W);
+      int64_t N = 0;
+      for (int64_t s = 0; s < W; ++s) N += (n_W[s] = counts_WE[s * E + e]);
+      const int pick = static_cast<int>(uni(0, 4));
+      const int64_t Q = pick == 0 ? 0 : pick == 1 ? N : uni(0, N);
+      const auto got = shares_of(counts_WE, W, E, e, Q);
+      ASSERT_EQ(got, ref_source_shares(n_W, Q)) << "W=" << W << " e=" << e << " Q=" << Q;
+      ASSERT_EQ(sum(got), Q);
+      for (int64_t s = 0; s < W; ++s) {
+        ASSERT_GE(got[s], 0);
+        ASSERT_LE(got[s], n_W[s]);
+      }
+    }
+  }
+}
+
 }  // namespace
