@@ -1,4 +1,5 @@
-"""Expert parallelism (lrmoe.parallel) on CPU with gloo, world sizes 2 and 4.
+"""Expert parallelism (lrmoe.parallel): gloo on CPU (W = 2, 4; in CI) and NCCL on GPUs
+(W = 1, 2, 4, 8, as many as the machine has; one GPU per rank; skipped otherwise).
 
 Each test spawns W processes on 127.0.0.1 (free port, 30 s collective timeout). Every rank
 builds the EP layer and, from the same seed, the single-process layer (same weights: the
@@ -31,11 +32,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, fn, args):
+_DEVICE = torch.device("cpu")  # this rank's device (set by _worker)
+
+
+def _worker(rank, world, port, backend, fn, args):
+    global _DEVICE
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=30))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        _DEVICE = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
     try:
         fn(rank, world, *args)
     except BaseException:
@@ -45,8 +53,18 @@ def _worker(rank, world, port, fn, args):
         dist.destroy_process_group()
 
 
-def _spawn(fn, world, *args):
-    mp.spawn(_worker, args=(world, _free_port(), fn, args), nprocs=world, join=True)
+def _spawn(fn, backend, world, *args):
+    mp.spawn(_worker, args=(world, _free_port(), backend, fn, args), nprocs=world, join=True)
+
+
+def _backends(gloo_worlds, nccl_worlds=(1, 2, 4, 8)):
+    """(backend, world) parameters: gloo always; NCCL where the machine has W GPUs."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nccl = dist.is_available() and dist.is_nccl_available()
+    return ([pytest.param("gloo", w, id=f"gloo-W{w}") for w in gloo_worlds]
+            + [pytest.param("nccl", w, id=f"nccl-W{w}", marks=[pytest.mark.gpu, pytest.mark.skipif(
+                not nccl or gpus < w, reason=f"needs NCCL and {w} CUDA GPUs")])
+               for w in nccl_worlds])
 
 
 def _cfg(**kw):
@@ -58,9 +76,9 @@ def _cfg(**kw):
 
 def _layers(cfg, seed=0):
     torch.manual_seed(seed)
-    ep = LRMoELayer(cfg, ep_group=dist.group.WORLD).double()
+    ep = LRMoELayer(cfg, ep_group=dist.group.WORLD).double().to(_DEVICE)
     torch.manual_seed(seed)
-    ref = LRMoELayer(cfg.replace(recalibration_rate=0.0)).double()
+    ref = LRMoELayer(cfg.replace(recalibration_rate=0.0)).double().to(_DEVICE)
     return ep, ref
 
 
@@ -76,8 +94,8 @@ def _check_exact(rank, world, total, sizes, forced):
     cfg = _cfg(num_experts=2 * world)
     ep, ref = _layers(cfg, seed=3)
     gen = torch.Generator().manual_seed(11)
-    x = torch.randn(total, 8, generator=gen, dtype=torch.float64)
-    w_out = torch.randn(total, 8, generator=gen, dtype=torch.float64)
+    x = torch.randn(total, 8, generator=gen, dtype=torch.float64).to(_DEVICE)
+    w_out = torch.randn(total, 8, generator=gen, dtype=torch.float64).to(_DEVICE)
     ids = None
     if forced == "one_rank":   # every token to rank 0's experts
         ids = torch.stack([torch.zeros(total, dtype=torch.long),
@@ -85,6 +103,7 @@ def _check_exact(rank, world, total, sizes, forced):
     elif forced == "skip_expert":   # expert 1 (and every expert of the last rank but one) idle
         ids = torch.stack([torch.zeros(total, dtype=torch.long),
                            torch.full((total,), 2 * world - 1, dtype=torch.long)], 1)
+    ids = None if ids is None else ids.to(_DEVICE)
     sizes, starts = _split(total, world, sizes)
     sl = slice(starts[rank], starts[rank] + sizes[rank])
     x_ref = x.clone().requires_grad_()
@@ -107,13 +126,14 @@ def _check_exact(rank, world, total, sizes, forced):
     assert ep.experts.gate_up_proj.shape[0] == el
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_c0_matches_single_process(world):
-    _spawn(_check_exact, world, 37, None, None)
+@pytest.mark.parametrize("backend,world", _backends([2, 4]))
+def test_c0_matches_single_process(backend, world):
+    _spawn(_check_exact, backend, world, 37, None, None)
 
 
-def test_zero_token_rank_and_forced_routing():
-    _spawn(_check_zero_cases, 2)
+@pytest.mark.parametrize("backend,world", _backends([2], (2,)))
+def test_zero_token_rank_and_forced_routing(backend, world):
+    _spawn(_check_zero_cases, backend, world)
 
 
 def _check_zero_cases(rank, world):
@@ -125,8 +145,8 @@ def _check_zero_cases(rank, world):
     ep, _ = _layers(cfg)
     for n_local, ids in ((0 if rank else 7, None),
                          (6, torch.zeros(6, 2, dtype=torch.long).add_(torch.tensor([0, 1])))):
-        x = torch.randn(n_local, 8, dtype=torch.float64, requires_grad=True)
-        o = ep(x, ids)
+        x = torch.randn(n_local, 8, dtype=torch.float64, device=_DEVICE, requires_grad=True)
+        o = ep(x, None if ids is None else ids.to(_DEVICE))
         o.square().sum().backward()
         assert torch.isfinite(x.grad).all()
         assert torch.isfinite(ep.experts.down_proj.grad).all()
@@ -197,8 +217,8 @@ def _check_selective(rank, world, c):
     ep, ref = _layers(cfg, seed=5)
     total = 29
     gen = torch.Generator().manual_seed(7)
-    x = torch.randn(total, 8, generator=gen, dtype=torch.float64)
-    w_out = torch.randn(total, 8, generator=gen, dtype=torch.float64)
+    x = torch.randn(total, 8, generator=gen, dtype=torch.float64).to(_DEVICE)
+    w_out = torch.randn(total, 8, generator=gen, dtype=torch.float64).to(_DEVICE)
     sizes, starts = _split(total, world)
     sl = slice(starts[rank], starts[rank] + sizes[rank])
     x_ref = x.clone().requires_grad_()
@@ -211,9 +231,11 @@ def _check_selective(rank, world, c):
 
     with torch.no_grad():
         routing = ref.gate(x)
-    gwgu, gwd, dx_expert, n_kept = _ref_expert_grads(
-        x, w_out, routing.weights_TK.double(), routing.expert_ids_TK,
-        ref.experts.gate_up_proj.detach(), ref.experts.down_proj.detach(), sizes, starts, c)
+    gwgu, gwd, dx_expert, n_kept = (t.to(_DEVICE) if torch.is_tensor(t) else t for t in
+                                    _ref_expert_grads(
+        x.cpu(), w_out.cpu(), routing.weights_TK.double().cpu(), routing.expert_ids_TK.cpu(),
+        ref.experts.gate_up_proj.detach().cpu(), ref.experts.down_proj.detach().cpu(), sizes,
+        starts, c))
     el = cfg.num_experts // world
     es = slice(rank * el, (rank + 1) * el)
     torch.testing.assert_close(ep.experts.gate_up_proj.grad, gwgu[es], rtol=1e-9, atol=1e-11)
@@ -228,14 +250,14 @@ def _check_selective(rank, world, c):
     dalpha = torch.einsum("tkh,th->tk", y, w_out)
     (dx_router,) = torch.autograd.grad(routing_r.weights_TK, x_r, grad_outputs=dalpha.float())
     torch.testing.assert_close(x_ep.grad, (dx_expert + dx_router)[sl], rtol=1e-5, atol=1e-7)
-    kept = torch.tensor([ep.stats.num_retained])
+    kept = torch.tensor([ep.stats.num_retained], device=_DEVICE)
     dist.all_reduce(kept)
     assert int(kept) == n_kept == int((1 - Fraction(c)) * total * cfg.top_k)
 
 
-@pytest.mark.parametrize("world,c", [(2, 0.3), (4, 0.25)])
-def test_selective_matches_per_source_quota_reference(world, c):
-    _spawn(_check_selective, world, c)
+@pytest.mark.parametrize("backend,world", _backends([2, 4]))
+def test_selective_matches_per_source_quota_reference(backend, world):
+    _spawn(_check_selective, backend, world, 0.3 if world <= 2 else 0.25)
 
 
 # --------------------------------------------------------------------- all-to-all bytes
@@ -245,11 +267,11 @@ def _check_bytes(rank, world):
         cfg = _cfg(num_experts=2 * world, recalibration_rate=c)
         ep, _ = _layers(cfg, seed=1)
         torch.manual_seed(100 + rank)
-        x = torch.randn(40, 8, dtype=torch.float64, requires_grad=True)
+        x = torch.randn(40, 8, dtype=torch.float64, device=_DEVICE, requires_grad=True)
         ep(x).square().sum().backward()
         b = ep.diagnostics()["a2a_bytes"]
         t = torch.tensor([b["backward_grad"] + b["backward_dx"], b["backward_index"],
-                          b["forward_dispatch"]], dtype=torch.float64)
+                          b["forward_dispatch"]], dtype=torch.float64, device=_DEVICE)
         dist.all_reduce(t)
         totals[c] = t
     assert totals[0.3][2] == totals[0.0][2]                       # forward unchanged
@@ -257,8 +279,9 @@ def _check_bytes(rank, world):
     assert totals[0.3][0] + totals[0.3][1] <= 0.7 * (totals[0.0][0] + totals[0.0][1]) + 8
 
 
-def test_backward_bytes_shrink_with_c():
-    _spawn(_check_bytes, 2)
+@pytest.mark.parametrize("backend,world", _backends([2], (1, 2)))
+def test_backward_bytes_shrink_with_c(backend, world):
+    _spawn(_check_bytes, backend, world)
 
 
 # ---------------------------------------------------------------------- config mismatch
@@ -270,15 +293,16 @@ def _check_mismatch(rank, world):
                                          "expert-parallel size 2"):
         LRMoELayer(_cfg(num_experts=5, top_k=2), ep_group=dist.group.WORLD)
     # drift after construction (set_recalibration on one rank) fails at the next forward
-    layer = LRMoELayer(_cfg(), ep_group=dist.group.WORLD).double()
+    layer = LRMoELayer(_cfg(), ep_group=dist.group.WORLD).double().to(_DEVICE)
     if rank == 1:
         layer.set_recalibration(recalibration_rate=0.2)
     with pytest.raises(ValueError, match="disagree"):
-        layer(torch.randn(5, 8, dtype=torch.float64))
+        layer(torch.randn(5, 8, dtype=torch.float64, device=_DEVICE))
 
 
-def test_mismatched_config_fails_fast():
-    _spawn(_check_mismatch, 2)
+@pytest.mark.parametrize("backend,world", _backends([2], (2,)))
+def test_mismatched_config_fails_fast(backend, world):
+    _spawn(_check_mismatch, backend, world)
 
 
 # ------------------------------------------- data-parallel grads, global clip, checkpoints
@@ -288,8 +312,8 @@ def _check_dp_helpers(rank, world):
     cfg = _cfg(num_experts=4, shared_expert_intermediate_size=5)
     ep, ref = _layers(cfg, seed=9)
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(13, 8, generator=gen, dtype=torch.float64)
-    w_out = torch.randn(13, 8, generator=gen, dtype=torch.float64)
+    x = torch.randn(13, 8, generator=gen, dtype=torch.float64).to(_DEVICE)
+    w_out = torch.randn(13, 8, generator=gen, dtype=torch.float64).to(_DEVICE)
     sizes, starts = _split(13, world)
     sl = slice(starts[rank], starts[rank] + sizes[rank])
     (ref(x) * w_out).sum().backward()
@@ -312,12 +336,14 @@ def _check_dp_helpers(rank, world):
     fresh, _ = _layers(cfg, seed=123)
     load_expert_state_dict(fresh, ckpt)
     torch.testing.assert_close(fresh.experts.down_proj, ep.experts.down_proj)
-    with pytest.raises(ValueError, match="expert-parallel size 4 but this run has EP size 2"):
-        load_expert_state_dict(fresh, {**ckpt, "ep_size": 4})
+    with pytest.raises(ValueError, match=f"expert-parallel size {2 * world} but this run has "
+                                         f"EP size {world}"):
+        load_expert_state_dict(fresh, {**ckpt, "ep_size": 2 * world})
 
 
-def test_data_parallel_grads_global_clip_and_checkpoint():
-    _spawn(_check_dp_helpers, 2)
+@pytest.mark.parametrize("backend,world", _backends([2], (1, 2)))
+def test_data_parallel_grads_global_clip_and_checkpoint(backend, world):
+    _spawn(_check_dp_helpers, backend, world)
 
 
 # ------------------------------------------------------------- lrmoe train --ep 2 (torchrun)
