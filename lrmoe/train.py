@@ -896,9 +896,21 @@ def _log(text: str) -> None:
         print(f"[lrmoe] {text}", file=sys.stderr, flush=True)
 
 
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _expert_parallel(cfg: "TrainConfig") -> bool:
+    """True when the run joins a process group: ``ep_size > 1``, or any run launched by
+    torchrun (EP size 1 then runs the expert-parallel layer over a group of one, NCCL or
+    gloo, and a world size other than ``ep_size`` is refused instead of N processes
+    silently training the same model into one folder)."""
+    return cfg.ep_size > 1 or _under_torchrun()
+
+
 def _ep_rank(cfg: "TrainConfig") -> int:
     """This process's rank in an expert-parallel run (torchrun's ``RANK``), else 0."""
-    return int(os.environ.get("RANK", "0")) if cfg.ep_size > 1 else 0
+    return int(os.environ.get("RANK", "0")) if _expert_parallel(cfg) else 0
 
 
 def _init_expert_parallel(cfg: "TrainConfig") -> None:
@@ -1060,7 +1072,10 @@ class Trainer:
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
         self.ep_group = None
-        if cfg.ep_size > 1:
+        # expert shards are saved per rank only when there is more than one rank: at EP
+        # size 1 rank 0 holds every expert and writes an ordinary transformers checkpoint
+        self.sharded = cfg.ep_size > 1
+        if _expert_parallel(cfg):
             import torch.distributed as dist
 
             global _QUIET
@@ -1125,7 +1140,7 @@ class Trainer:
             raise ValueError(f"the model ({type(self.model).__name__}) has no sparse-MoE block "
                              "that lrmoe can replace")
         self.lrmoe_layers = dict(patched)
-        if self.ep_group is not None and self.resume_from is not None:
+        if self.sharded and self.resume_from is not None:
             self._load_ep_weights(self.resume_from)
         self.trace = None
         if cfg.record_trace:
@@ -1156,7 +1171,7 @@ class Trainer:
 
         cfg = self.cfg
         source = self.resume_from or (Path(cfg.init_from) if cfg.init_from else None)
-        if self.ep_group is not None and self.resume_from is not None:
+        if self.sharded and self.resume_from is not None:
             source = None  # expert-sharded weights: built whole, sharded, then loaded
         if source is not None:
             if not (source / "config.json").is_file():
@@ -1235,7 +1250,7 @@ class Trainer:
         tmp = root / f".tmp-{final.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        if self.ep_group is None:
+        if not self.sharded:
             self.model.save_pretrained(tmp, safe_serialization=True)
         else:
             # this rank's expert shards + the dense weights, raw state-dict keys (a

@@ -238,8 +238,12 @@ def _check_selective(rank, world, c):
         starts, c))
     el = cfg.num_experts // world
     es = slice(rank * el, (rank + 1) * el)
-    torch.testing.assert_close(ep.experts.gate_up_proj.grad, gwgu[es], rtol=1e-9, atol=1e-11)
-    torch.testing.assert_close(ep.experts.down_proj.grad, gwd[es], rtol=1e-9, atol=1e-11)
+    # alpha comes from the fp32 router, whose GEMM may round differently for the local
+    # (T/W rows) and the full batch; a wrongly kept or dropped pair moves a gradient by
+    # a whole pair's contribution, far above this tolerance
+    for got, want in ((ep.experts.gate_up_proj.grad, gwgu[es]),
+                      (ep.experts.down_proj.grad, gwd[es])):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
     # dx = expert part from the kept pairs + router part (exact, c-independent)
     x_r = x.clone().requires_grad_()
     routing_r = ref.gate(x_r)
@@ -394,3 +398,37 @@ def test_lrmoe_train_ep2_resume_and_ep_size_check(tmp_path):
     r = _torchrun(["--out", str(resumed), "--resume", "--steps", "6", "--ep", "1"], tmp_path,
                   nproc=0)
     assert r.returncode != 0 and "ep_size: checkpoint 2, now 1" in r.stderr, r.stderr[-2000:]
+
+
+def test_torchrun_ep1_runs_expert_parallel_with_ordinary_checkpoints(tmp_path):
+    """torchrun with one process runs the EP layer over a group of one; its checkpoint is
+    a plain transformers one (resumable without torchrun); a world size other than --ep
+    is refused."""
+    import json
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_train import micro
+    from lrmoe import train as T
+
+    cfg_file = tmp_path / "cfg.yaml"
+    cfg_file.write_text(T.config_yaml(micro(tmp_path, steps=4, eval_every=0, save_every=2)))
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    r = _torchrun(["--config", str(cfg_file), "--ep", "1", "--out", str(straight)], tmp_path,
+                  nproc=1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ckpt = straight / "checkpoints" / "step-00000002"
+    assert (ckpt / "model.safetensors").is_file() and not (straight / "ep-rank-1").exists()
+    r = _torchrun(["--resume", str(ckpt), "--out", str(resumed)], tmp_path, nproc=0)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    def losses(run):
+        return [(x["step"], x["loss"]) for x in map(
+            json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if x["kind"] == "train"]
+    a, b = losses(straight), losses(resumed)
+    assert [s for s, _ in a] == [1, 2, 3, 4]
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=0)
+    r = _torchrun(["--config", str(cfg_file), "--out", str(tmp_path / "two")], tmp_path)
+    assert r.returncode != 0 and "launch with torchrun --nproc-per-node 1" in r.stderr, \
+        r.stderr[-2000:]
