@@ -35,7 +35,10 @@ def _want_cuda() -> bool:
 
 def _extension():
     cpp = sorted(glob.glob(os.path.join("csrc", "ops", "*.cpp")))
-    cxx = ["-O3", STD]
+    # no fused multiply-add contraction: the CPU kernels then round like the CUDA ones
+    # (which use explicit __fmul_rn/__fadd_rn where bit equality is tested) on every ISA;
+    # GCC contracts by default where FMA exists (aarch64, x86 with -march=native)
+    cxx = ["-O3", STD, "-ffp-contract=off"]
     include = [os.path.join(ROOT, "csrc")]
     # setuptools rebuilds only when a listed file is newer than the .so; ninja then
     # recompiles just the objects whose sources or headers changed.
