@@ -26,6 +26,17 @@ namespace {
 
 using namespace lrmoe::cuda;
 
+// Row n's gate half in h (row index[n] when an index is given, else row n); the up
+// half starts I / VEC vectors later.
+template <typename V, typename scalar_t>
+__device__ __forceinline__ const V* gate_row(const scalar_t* __restrict__ h_M2I,
+                                             const int32_t* __restrict__ index_N, int64_t M,
+                                             int64_t n, int64_t I) {
+  const int64_t src = index_N ? static_cast<int64_t>(index_N[n]) : n;
+  CUDA_KERNEL_ASSERT(src >= 0 && src < M && "swiglu: index outside the rows of h");
+  return reinterpret_cast<const V*>(h_M2I + src * 2 * I);
+}
+
 template <typename scalar_t, int VEC>
 __global__ void __launch_bounds__(kRowThreads)
 swiglu_kernel(const scalar_t* __restrict__ h_M2I, const int32_t* __restrict__ index_N,
@@ -36,10 +47,8 @@ swiglu_kernel(const scalar_t* __restrict__ h_M2I, const int32_t* __restrict__ in
   const int lane = threadIdx.x % kWarp;
   const int64_t nvec = I / VEC;
   for (int64_t n = warp_row(); n < N; n += warp_row_stride()) {
-    const int64_t src = index_N ? static_cast<int64_t>(index_N[n]) : n;
-    CUDA_KERNEL_ASSERT(src >= 0 && src < M && "swiglu: index outside the rows of h");
-    const V* gate = reinterpret_cast<const V*>(h_M2I + src * 2 * I);
-    const V* up = reinterpret_cast<const V*>(h_M2I + src * 2 * I + I);
+    const V* gate = gate_row<V>(h_M2I, index_N, M, n, I);
+    const V* up = gate + nvec;
     V* phi = reinterpret_cast<V*>(phi_NI + n * I);
     opmath_t acc = 0;
     for (int64_t v = lane; v < nvec; v += kWarp) {
@@ -69,10 +78,8 @@ swiglu_backward_kernel(const scalar_t* __restrict__ dphi_NI, const scalar_t* __r
   const int lane = threadIdx.x % kWarp;
   const int64_t nvec = I / VEC;
   for (int64_t n = warp_row(); n < N; n += warp_row_stride()) {
-    const int64_t src = index_N ? static_cast<int64_t>(index_N[n]) : n;
-    CUDA_KERNEL_ASSERT(src >= 0 && src < M && "swiglu_backward: index outside the rows of h");
-    const V* gate = reinterpret_cast<const V*>(h_M2I + src * 2 * I);
-    const V* up = reinterpret_cast<const V*>(h_M2I + src * 2 * I + I);
+    const V* gate = gate_row<V>(h_M2I, index_N, M, n, I);
+    const V* up = gate + nvec;
     const V* dphi = reinterpret_cast<const V*>(dphi_NI + n * I);
     V* dgate = reinterpret_cast<V*>(grad_h_N2I + n * 2 * I);
     V* dup = reinterpret_cast<V*>(grad_h_N2I + n * 2 * I + I);
