@@ -54,6 +54,7 @@ from torch.profiler import record_function as phase  # names the benchmark's bre
 
 from lrmoe import ops
 from lrmoe.config import LRMoEConfig
+from lrmoe.experts import score_pairs
 
 #: attribute set on expert-sharded parameters (``param._lrmoe_expert_parallel = True``)
 EXPERT_PARAM_ATTR = "_lrmoe_expert_parallel"
@@ -296,10 +297,7 @@ class ExpertParallelFunction(torch.autograd.Function):
         alpha_P = weights_TK.detach().reshape(-1).float()
         n_E = counts_WE.sum(0).to(torch.int32)
         if cfg.selective_backward:
-            seed = cfg.seed + stats.backward_steps
-            with phase("lrmoe.score"):
-                score_P = ops.score(g_TH, weights_TK.detach(), phi_sq_P, row_pair_P,
-                                    cfg.metric, seed)
+            score_P, seed = score_pairs(cfg, stats, g_TH, weights_TK, phi_sq_P, row_pair_P)
             with phase("lrmoe.select"):
                 quota_E = ops.quota(n_E, cfg.recalibration_rate, cfg.quota_rule)
                 shares_WE = source_shares(counts_WE, quota_E)

@@ -16,6 +16,9 @@ compact, expert_gemm_bwd, scatter) and, for kernels outside any range, GEMM vs o
 kernel name. Ceilings measured in the same run: device copy bandwidth (bytes read +
 written) and a dense bf16 8192^3 GEMM.
 
+Expert parallelism (``--ep N`` under torchrun) is :mod:`lrmoe.bench.layer_ep`; it reuses
+the pieces here (methods, inputs, timing loop, profiling, phase times, reports).
+
 Legend: T tokens, H hidden, I expert intermediate, E experts, K top_k, P = T*K, R
 retained pairs.
 """
@@ -614,14 +617,9 @@ def bench_layer(shapes: Sequence[str], tokens: Sequence[int], routings: Sequence
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     ceilings = measure_ceilings(dev)
     records: List[dict] = []
-    for shape in shapes:
-        for t in tokens:
-            for routing in routings:
-                case = Case(shape, t, routing, torch_dtype)
-                records += run_case(case, rates, methods, dev, iters, warmup, rotate, trace,
-                                    transformers_iters)
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
+    for case in cases(shapes, tokens, routings, torch_dtype, dev):
+        records += run_case(case, rates, methods, dev, iters, warmup, rotate, trace,
+                            transformers_iters)
     targets = check_targets(records, ceilings)
     meta = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
                 device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU",
@@ -634,6 +632,17 @@ def bench_layer(shapes: Sequence[str], tokens: Sequence[int], routings: Sequence
 
 
 METHODS = ("lrmoe", "dropless", "transformers")
+
+
+def cases(shapes: Sequence[str], tokens: Sequence[int], routings: Sequence[str],
+          dtype: torch.dtype, device: torch.device):
+    """Every (shape, tokens, routing) :class:`Case`; frees the CUDA cache after each."""
+    for shape in shapes:
+        for t in tokens:
+            for routing in routings:
+                yield Case(shape, t, routing, dtype)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
 
 
 def check_choices(shapes: Sequence[str], methods: Sequence[str], dtype: str) -> torch.dtype:

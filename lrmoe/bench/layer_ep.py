@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from lrmoe.bench.layer import (ROUTING_SEED_STRIDE, SHAPES, Case, PeakMemory, _f,
-                               _kernel_split, _phase_times, _Timer, build_methods,
+                               _kernel_split, _phase_times, _Timer, build_methods, cases,
                                check_choices, make_inputs, profile_step, time_iterations,
                                write_reports)
 
@@ -319,14 +319,9 @@ def bench_layer_ep(ep: int, shapes: Sequence[str], tokens: Sequence[int],
                else torch.device("cpu"))
         meta = _meta(command, dev, iters, warmup, rotate)
         records: List[dict] = []
-        for shape in shapes:
-            for t in tokens:
-                for routing in routings:
-                    case = Case(shape, t, routing, torch_dtype)
-                    recs = run_case_ep(case, rates, methods, dev, iters, warmup, rotate, trace)
-                    records += recs or []
-                    if dev.type == "cuda":
-                        torch.cuda.empty_cache()
+        for case in cases(shapes, tokens, routings, torch_dtype, dev):
+            records += run_case_ep(case, rates, methods, dev, iters, warmup, rotate,
+                                   trace) or []
         if dist.get_rank() != 0:
             return None
         result = dict(records=records, meta=meta)
