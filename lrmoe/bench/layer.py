@@ -372,10 +372,12 @@ def time_iterations(method: _Method, inputs: Inputs, timer: _Timer, warmup: int,
 
 
 def profile_step(method: _Method, inputs: Inputs, device: torch.device,
-                 split: bool = False) -> list:
+                 split: bool = False, before_each: Optional[Callable[[], None]] = None
+                 ) -> list:
     """Profile one forward + backward on input set 0 (the EP bench's byte counts are of
     this step). ``split``: forward and backward in two profiler sessions (so kernels
-    found by name are told apart); returns the list of profiles."""
+    found by name are told apart); ``before_each`` runs before each session starts (EP:
+    a barrier). Returns the list of profiles."""
     x = inputs.xs[0].detach().requires_grad_()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -384,14 +386,19 @@ def profile_step(method: _Method, inputs: Inputs, device: torch.device,
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize()
+    if before_each is None:
+        before_each = lambda: None  # noqa: E731
     if not split:
+        before_each()
         with torch.profiler.profile(activities=activities) as prof:
             method.forward(x, inputs.ids[0]).backward(inputs.gs[0])
             sync()
         return [prof]
+    before_each()
     with torch.profiler.profile(activities=activities) as prof_fwd:
         out = method.forward(x, inputs.ids[0])
         sync()
+    before_each()
     with torch.profiler.profile(activities=activities) as prof_bwd:
         out.backward(inputs.gs[0])
         sync()

@@ -19,6 +19,9 @@ and backward in separate profiler sessions) gives device ms (CPU ms on gloo) und
 (``_AlltoAllSingleBackward``) outside any range: the first is ``a2a_grad``, the second
 ``a2a_dx``. On CUDA, NCCL all-to-all kernels found by name (``SendRecv``/``AllToAll``)
 are listed too, as a check that does not rely on kernels being linked to ranges.
+An all-to-all's time includes waiting for the slowest peer to join (ranks carry
+different loads), which is why ranks are lined up by a barrier before each timed and
+profiled step (and the profiler is started once up front: its first start is slow).
 Bytes: the per-rank ``a2a_bytes`` of that step (bytes each rank SENDS into each
 all-to-all, rows to itself included; see :mod:`lrmoe.parallel`), summed over ranks.
 
@@ -99,6 +102,13 @@ def _barrier(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _activities(device: torch.device) -> list:
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return acts
+
+
 def _summary(values: Sequence[float]) -> Dict[str, float]:
     return {"max": max(values), "mean": statistics.mean(values)}
 
@@ -106,7 +116,7 @@ def _summary(values: Sequence[float]) -> Dict[str, float]:
 def _merge_ranks(per_rank: List[dict]) -> dict:
     """One method's record from every rank's own (rank order)."""
     first = per_rank[0]
-    rec = {k: first[k] for k in ("method",)}
+    rec = {"method": first["method"]}
     for key in ("fwd_ms", "bwd_ms", "fwd_bwd_ms"):
         s = _summary([r[key] for r in per_rank])
         rec[key], rec[key + "_mean"] = s["max"], s["mean"]
@@ -172,8 +182,8 @@ def run_case_ep(case: Case, rates: Sequence[float], methods: Sequence[str],
         with PeakMemory(device) as mem:
             fwd, bwd = time_iterations(method, inputs, timer, warmup, iters,
                                        before_each=lambda: _barrier(device))
-        _barrier(device)
-        prof_fwd, prof_bwd = profile_step(method, inputs, device, split=True)
+        prof_fwd, prof_bwd = profile_step(method, inputs, device, split=True,
+                                          before_each=lambda: _barrier(device))
         mine = dict(method=method.name, fwd_ms=statistics.median(fwd),
                     bwd_ms=statistics.median(bwd), peak_bytes=mem.peak,
                     phases_ms=ep_phase_times(prof_fwd, prof_bwd, cuda),
@@ -182,7 +192,8 @@ def run_case_ep(case: Case, rates: Sequence[float], methods: Sequence[str],
                     a2a_bytes=method.a2a_bytes)
         mine["fwd_bwd_ms"] = mine["fwd_ms"] + mine["bwd_ms"]
         if cuda:  # GEMM vs other kernels by name: the dropless backward has no GEMM range
-            mine["kernels_ms"] = {"fwd": _kernel_split(prof_fwd), "bwd": _kernel_split(prof_bwd)}
+            mine["kernels_ms"] = {"fwd": _kernel_split(prof_fwd),
+                                  "bwd": _kernel_split(prof_bwd)}
         if method.layer is not None:
             st = method.layer.stats
             mine.update(recalibration_rate=float(method.name.split("=")[1]),
@@ -214,7 +225,8 @@ def markdown_ep(records: List[dict], meta: dict) -> str:
     lines = [f"### Layer benchmark, expert parallel W = {meta['world_size']}, {meta['date']} "
              f"({meta['device']})", "",
              f"Command: `{meta['command']}`  ",
-             f"Hosts: {', '.join(meta['hosts'])}; backend {meta['backend']}; torch "
+             f"Hosts: {', '.join(meta['hosts'])}; backend {meta['backend']}"
+             f"{' ' + meta['nccl'] if meta.get('nccl') else ''}; torch "
              f"{meta['torch']}. Tokens per rank; each rank its own routing and inputs. "
              f"Median of {meta['iters']} iterations per rank (barrier before each, untimed); "
              "times in ms, max over ranks (mean in the json). Phases: one profiled step, "
@@ -222,7 +234,8 @@ def markdown_ep(records: List[dict], meta: dict) -> str:
              "ranks. Bytes: sent into each all-to-all, summed over ranks (MB = 1e6 B), "
              "rows a rank sends itself included. The dropless backward is autograd's: "
              "its all-to-alls are timed by their autograd nodes, its GEMMs have no range "
-             "(json: `kernels_ms` on CUDA).", ""]
+             "(json: `kernels_ms` on CUDA). An all-to-all's time includes waiting for the "
+             "slowest peer.", ""]
     head = ("| shape | tokens/rank | routing (max/mean) | method | fwd | bwd | fwd+bwd | "
             "vs dropless | " + " | ".join(A2A_PHASES) + " | expert GEMM fwd | "
             "expert GEMM bwd | a2a MB fwd | a2a MB bwd | bwd bytes vs c=0 |")
@@ -248,7 +261,8 @@ def markdown_ep(records: List[dict], meta: dict) -> str:
     if meta["backend"] == "nccl":
         lines += ["", "NCCL all-to-all kernels by name (ms per rank, sum over the step's "
                   "kernels; max over ranks):", "",
-                  "| shape | tokens/rank | routing | method | fwd | bwd |", "|---|---|---|---|---|---|"]
+                  "| shape | tokens/rank | routing | method | fwd | bwd |",
+                  "|---|---|---|---|---|---|"]
         for r in records:
             k = r["a2a_kernels_ms"]
             lines.append(f"| {r['shape']} | {r['tokens_per_rank']} | {r['routing']} | "
@@ -263,8 +277,10 @@ def _meta(command: str, device: torch.device, iters: int, warmup: int, rotate: i
     every: List[Optional[dict]] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     devices = sorted({m["device"] for m in every})
+    nccl = (".".join(str(v) for v in torch.cuda.nccl.version())
+            if dist.get_backend() == "nccl" else None)
     return dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), torch=torch.__version__,
-                cuda=torch.version.cuda, world_size=dist.get_world_size(),
+                cuda=torch.version.cuda, nccl=nccl, world_size=dist.get_world_size(),
                 backend=str(dist.get_backend()), device=" + ".join(devices),
                 hosts=sorted({m["host"] for m in every}), command=command, iters=iters,
                 warmup=warmup, rotate=rotate, tokens="per rank",
@@ -318,15 +334,20 @@ def bench_layer_ep(ep: int, shapes: Sequence[str], tokens: Sequence[int],
         dev = (torch.device("cuda", torch.cuda.current_device()) if use_cuda
                else torch.device("cpu"))
         meta = _meta(command, dev, iters, warmup, rotate)
+        # the profiler's first start takes long (hundreds of ms on some ranks): pay it
+        # here, so the barrier before each profiled step lines the ranks up
+        with torch.profiler.profile(activities=_activities(dev)):
+            pass
         records: List[dict] = []
         for case in cases(shapes, tokens, routings, torch_dtype, dev):
             records += run_case_ep(case, rates, methods, dev, iters, warmup, rotate,
                                    trace) or []
-        if dist.get_rank() != 0:
-            return None
-        result = dict(records=records, meta=meta)
-        write_reports(result, markdown_ep(records, meta), out_dir, "layer_bench_ep",
-                      append_md)
+        result = None
+        if dist.get_rank() == 0:
+            result = dict(records=records, meta=meta)
+            write_reports(result, markdown_ep(records, meta), out_dir, "layer_bench_ep",
+                          append_md)
+        _barrier(dev)  # leave together: no rank tears the group down under another's feet
         return result
     finally:
         if created and dist.is_initialized():

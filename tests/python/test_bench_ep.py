@@ -171,3 +171,36 @@ def test_ep_wrong_world_size_and_transformers(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="--shapes smoke has 8 experts, not divisible by --ep 3"):
         bench_layer_ep(3, ["smoke"], [16], ["uniform"], device="cpu", out_dir=str(tmp_path))
     assert not dist.is_initialized()
+
+
+# ------------------------------------------------ merging ranks and the NCCL report branch
+def test_merge_ranks_max_mean_sums_and_nccl_markdown():
+    from lrmoe.bench.layer_ep import _add_ratios, _merge_ranks, markdown_ep
+
+    def rank_rec(method, fwd, bwd, grad_bytes, kernels):
+        b = dict(counts=8, forward_dispatch=100, forward_combine=104, backward_grad=grad_bytes,
+                 backward_index=grad_bytes // 25, backward_dx=grad_bytes)
+        return dict(method=method, fwd_ms=fwd, bwd_ms=bwd, fwd_bwd_ms=fwd + bwd,
+                    phases_ms={k: fwd / 10 for k in A2A}, a2a_bytes=b, peak_bytes=None,
+                    a2a_kernels_ms={"fwd": kernels, "bwd": kernels[:1]})
+    c0 = _merge_ranks([rank_rec("lrmoe c=0", 2.0, 4.0, 100, [0.5, 0.25]),
+                       rank_rec("lrmoe c=0", 3.0, 1.0, 100, [1.0])])
+    c3 = _merge_ranks([rank_rec("lrmoe c=0.3", 1.0, 1.0, 75, []),
+                       rank_rec("lrmoe c=0.3", 1.0, 2.0, 65, [])])
+    assert (c0["fwd_ms"], c0["fwd_ms_mean"], c0["bwd_ms"]) == (3.0, 2.5, 4.0)
+    assert c0["fwd_bwd_ms"] == 6.0
+    assert c0["phases_ms"]["a2a_dx"] == 0.3 and c0["phases_ms_mean"]["a2a_dx"] == 0.25
+    assert c0["a2a_bytes"]["backward_grad"] == 200 and c0["a2a_bytes_bwd"] == 200 + 8 + 200
+    assert c0["a2a_kernels_ms"]["fwd"] == {"max": 1.0, "mean": 0.875}
+    _add_ratios([c0, c3])
+    assert c3["bwd_bytes_vs_c0"] == pytest.approx((140 + 3 + 2 + 140) / 408)
+    assert c0["vs_dropless"] is None
+    for r in (c0, c3):
+        r.update(shape="qwen3-30b-a3b", tokens_per_rank=32768, routing="skewed",
+                 load_max_over_mean=2.5)
+    meta = dict(world_size=2, date="d", device="GPU", command="torchrun ...", hosts=["h"],
+                backend="nccl", torch="2.11", iters=3)
+    text = markdown_ep([c0, c3], meta)
+    assert "| qwen3-30b-a3b | 32768 | skewed (2.50) | lrmoe c=0 | 2.00 |" not in text
+    assert "| qwen3-30b-a3b | 32768 | skewed (2.50) | lrmoe c=0 | 3.00 | 4.00 | 6.00 |" in text
+    assert "NCCL all-to-all kernels" in text and "| lrmoe c=0 | 1.000 | 1.000 |" in text
