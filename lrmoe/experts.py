@@ -93,6 +93,20 @@ def _max_over_mean(n_E: Tensor) -> float:
     return float(n.max() / mean) if mean > 0 else 0.0
 
 
+def score_pairs(cfg: LRMoEConfig, stats: BackwardStats, g_TH: Tensor, weights_TK: Tensor,
+                phi_sq_P: Tensor, row_pair_P: Tensor):
+    """Score every pair for selection (``lrmoe.score`` range); shared with EP.
+
+    Returns:
+        (score_P (P,) float32 in row order, seed of this backward = ``cfg.seed +
+        stats.backward_steps`` (int)).
+    """
+    seed = cfg.seed + stats.backward_steps
+    with phase("lrmoe.score"):
+        return ops.score(g_TH, weights_TK.detach(), phi_sq_P, row_pair_P, cfg.metric,
+                         seed), seed
+
+
 class ExpertFunction(torch.autograd.Function):
     """Autograd of the routed experts; see the module docstring for the data flow.
 
@@ -149,10 +163,7 @@ class ExpertFunction(torch.autograd.Function):
         alpha_P = weights_TK.detach().reshape(-1).float()
         if cfg.selective_backward:
             num_retained = cfg.retained_pairs(num_pairs)
-            seed = cfg.seed + stats.backward_steps
-            with phase("lrmoe.score"):
-                score_P = ops.score(g_TH, weights_TK.detach(), phi_sq_P, row_pair_P,
-                                    cfg.metric, seed)
+            score_P, seed = score_pairs(cfg, stats, g_TH, weights_TK, phi_sq_P, row_pair_P)
             with phase("lrmoe.select"):
                 quota_E = ops.quota(tokens_per_expert_E, cfg.recalibration_rate,
                                     cfg.quota_rule)

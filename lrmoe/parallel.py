@@ -22,18 +22,39 @@ Backward (planned, DESIGN.md section 2):
   dX -> return dX of kept pairs only -> source: scatter into dx (dropped pairs add nothing).
 Expert weight gradients stay on their rank; everything else is data-parallel
 (:func:`allreduce_non_expert_grads`, :func:`clip_grad_norm_`).
+
+Profiler ranges (``lrmoe bench layer --ep``; the single-device names where a step has a
+single-device twin): forward ``lrmoe.permute`` (source permute and the expert-side re-sort
+and un-sort), ``lrmoe.a2a_counts`` (count all_gather + its host sync), ``lrmoe.a2a_dispatch``,
+``lrmoe.expert_gemm_fwd`` (grouped GEMMs + swiglu), ``lrmoe.a2a_combine`` (y rows + phi_sq
+side band), ``lrmoe.combine``; backward ``lrmoe.router_grad``, ``lrmoe.score``,
+``lrmoe.select`` (quotas, shares + their host sync, selection), ``lrmoe.compact`` (gathers
+of kept rows on both sides), ``lrmoe.a2a_grad`` (G rows + int32 positions),
+``lrmoe.expert_gemm_bwd``, ``lrmoe.a2a_dx``, ``lrmoe.scatter``. Ranges add no host syncs.
+
+All-to-all bytes (``stats.a2a_bytes``, per rank, for the last step): bytes this rank SENDS
+into each collective, counting the rows it sends to itself (a local copy on NCCL):
+``forward_dispatch`` = P H s (s = element size: every local pair's x row),
+``forward_combine`` = N (H s + 4) (y row + fp32 phi_sq of every row it received),
+``counts`` = (E + 1) 8 W (its int64 counts + config hash, all_gathered to W ranks),
+``backward_grad`` = R H s (kept rows of G), ``backward_index`` = 4 R (their int32
+positions), ``backward_dx`` = M H s (dX of the M kept rows its experts received).
 """
 from __future__ import annotations
 
+import datetime
 import hashlib
+import os
 from typing import Dict, List, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.profiler import record_function as phase  # names the benchmark's breakdown
 
 from lrmoe import ops
 from lrmoe.config import LRMoEConfig
+from lrmoe.experts import score_pairs
 
 #: attribute set on expert-sharded parameters (``param._lrmoe_expert_parallel = True``)
 EXPERT_PARAM_ATTR = "_lrmoe_expert_parallel"
@@ -41,6 +62,47 @@ EXPERT_PARAM_ATTR = "_lrmoe_expert_parallel"
 _HASH_FIELDS = ("hidden_size", "moe_intermediate_size", "num_experts", "top_k", "router",
                 "norm_topk_prob", "routed_scaling_factor", "recalibration_rate", "metric",
                 "quota_rule", "selection", "selective_backward", "seed")
+
+
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_torchrun_group(ep_size: int, use_cuda: bool, setting: str) -> str:
+    """Join the default process group that ``torchrun`` prepared for this process.
+
+    NCCL when ``use_cuda`` (after ``torch.cuda.set_device(LOCAL_RANK)``, so each rank
+    binds its own GPU before NCCL does), gloo otherwise; 300 s collective timeout. Does
+    nothing but the checks when the group already exists.
+
+    Args:
+        ep_size: the expert-parallel size asked for; must equal torchrun's world size.
+        use_cuda: pick NCCL and bind ``cuda:LOCAL_RANK``.
+        setting: how the user gave ``ep_size`` (``"--ep 2"``, ``"ep_size=2"``), for errors.
+
+    Returns:
+        The backend name (``"nccl"`` or ``"gloo"``).
+
+    Raises:
+        ValueError: not started by torchrun (its env variables are missing) or a world
+            size other than ``ep_size``; the message names ``setting`` and
+            ``torchrun --nproc-per-node``.
+    """
+    launch = f"launch with torchrun --nproc-per-node {ep_size} ... --ep {ep_size}"
+    missing = [v for v in _TORCHRUN_ENV if v not in os.environ]
+    if missing and not dist.is_initialized():
+        raise ValueError(f"{setting} needs {ep_size} processes started by torchrun, but "
+                         f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+                         f"set (this process was not started by torchrun); {launch}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != ep_size:
+        raise ValueError(f"{setting} needs {ep_size} processes, but the world size is "
+                         f"{world}; {launch}")
+    if not dist.is_initialized():
+        backend = "nccl" if use_cuda else "gloo"
+        if backend == "nccl":  # one GPU per rank before NCCL binds the current device
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
+    return dist.get_backend()
 
 
 def config_hash(config: LRMoEConfig, ep_size: int) -> int:
@@ -164,17 +226,19 @@ class ExpertParallelFunction(torch.autograd.Function):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         num_experts, top_k, el = config.num_experts, expert_ids_TK.shape[1], w_gate_up_L2IH.shape[0]
         dev = x_TH.device
-        row_pair_P, pair_row_P, n_E, offsets_E = ops.permute(expert_ids_TK, num_experts)
-        x_PH = ops.gather_rows(x_TH, row_pair_P, None, top_k)
+        with phase("lrmoe.permute"):
+            row_pair_P, pair_row_P, n_E, offsets_E = ops.permute(expert_ids_TK, num_experts)
+            x_PH = ops.gather_rows(x_TH, row_pair_P, None, top_k)
 
         # counts exchange; the config hash rides along (fails fast on set_recalibration drift)
-        meta = torch.cat([n_E.long(), torch.tensor([config_hash(config, world)],
-                                                   dtype=torch.int64, device=dev)])
-        meta_comm = meta.to(_comm_device(group))
-        got = [torch.empty_like(meta_comm) for _ in range(world)]
-        dist.all_gather(got, meta_comm, group=group)
-        meta_WE1 = torch.stack(got).to(dev)
-        meta_host = meta_WE1.tolist()  # the one host sync of the dispatch
+        with phase("lrmoe.a2a_counts"):
+            meta = torch.cat([n_E.long(), torch.tensor([config_hash(config, world)],
+                                                       dtype=torch.int64, device=dev)])
+            meta_comm = meta.to(_comm_device(group))
+            got = [torch.empty_like(meta_comm) for _ in range(world)]
+            dist.all_gather(got, meta_comm, group=group)
+            meta_WE1 = torch.stack(got).to(dev)
+            meta_host = meta_WE1.tolist()  # the one host sync of the dispatch
         _raise_on_mismatch([row[-1] for row in meta_host], config, world, rank)
         counts_host = [row[:num_experts] for row in meta_host]
         counts_WE = meta_WE1[:, :num_experts]
@@ -182,19 +246,24 @@ class ExpertParallelFunction(torch.autograd.Function):
         recv = [_block_sums(counts_host[s], rank * el, (rank + 1) * el) for s in range(world)]
         num_recv = sum(recv)
 
-        x_recv_NH = _a2a(x_PH, num_recv, send, recv, group)
-        dest_N, offsets_L = _source_to_expert_order(counts_WE[:, rank * el:(rank + 1) * el],
-                                                    num_recv)
-        x_NH = ops.gather_rows(x_recv_NH, _inverse(dest_N).to(torch.int32), None, 1)
-        h_N2I = ops.grouped_mm(x_NH, w_gate_up_L2IH.transpose(1, 2), offsets_L)
-        phi_NI, phi_sq_N = ops.swiglu(h_N2I)
-        y_NH = ops.grouped_mm(phi_NI, w_down_LHI.transpose(1, 2), offsets_L)
-        dest32_N = dest_N.to(torch.int32)
-        y_recv_NH = ops.gather_rows(y_NH, dest32_N, None, 1)
-        phi_sq_recv_N = phi_sq_N.index_select(0, dest_N)
-        y_PH = _a2a(y_recv_NH, x_PH.shape[0], recv, send, group)
-        phi_sq_P = _a2a(phi_sq_recv_N, x_PH.shape[0], recv, send, group)
-        o_TH = ops.combine(y_PH, pair_row_P, weights_TK, top_k)
+        with phase("lrmoe.a2a_dispatch"):
+            x_recv_NH = _a2a(x_PH, num_recv, send, recv, group)
+        with phase("lrmoe.permute"):
+            dest_N, offsets_L = _source_to_expert_order(
+                counts_WE[:, rank * el:(rank + 1) * el], num_recv)
+            x_NH = ops.gather_rows(x_recv_NH, _inverse(dest_N).to(torch.int32), None, 1)
+        with phase("lrmoe.expert_gemm_fwd"):
+            h_N2I = ops.grouped_mm(x_NH, w_gate_up_L2IH.transpose(1, 2), offsets_L)
+            phi_NI, phi_sq_N = ops.swiglu(h_N2I)
+            y_NH = ops.grouped_mm(phi_NI, w_down_LHI.transpose(1, 2), offsets_L)
+        with phase("lrmoe.permute"):
+            y_recv_NH = ops.gather_rows(y_NH, dest_N.to(torch.int32), None, 1)
+            phi_sq_recv_N = phi_sq_N.index_select(0, dest_N)
+        with phase("lrmoe.a2a_combine"):
+            y_PH = _a2a(y_recv_NH, x_PH.shape[0], recv, send, group)
+            phi_sq_P = _a2a(phi_sq_recv_N, x_PH.shape[0], recv, send, group)
+        with phase("lrmoe.combine"):
+            o_TH = ops.combine(y_PH, pair_row_P, weights_TK, top_k)
 
         ctx.save_for_backward(x_NH, h_N2I, dest_N, weights_TK, w_gate_up_L2IH, w_down_LHI,
                               y_PH, phi_sq_P, row_pair_P, pair_row_P, offsets_E, counts_WE)
@@ -223,68 +292,78 @@ class ExpertParallelFunction(torch.autograd.Function):
         g_TH = grad_TH.to(ctx.x_dtype).contiguous()
         num_pairs = row_pair_P.shape[0]
 
-        grad_weights_TK = ops.routing_weight_grad(g_TH, y_PH, pair_row_P, top_k)
+        with phase("lrmoe.router_grad"):
+            grad_weights_TK = ops.routing_weight_grad(g_TH, y_PH, pair_row_P, top_k)
         alpha_P = weights_TK.detach().reshape(-1).float()
         n_E = counts_WE.sum(0).to(torch.int32)
         if cfg.selective_backward:
-            seed = cfg.seed + stats.backward_steps
-            score_P = ops.score(g_TH, weights_TK.detach(), phi_sq_P, row_pair_P, cfg.metric,
-                                seed)
-            quota_E = ops.quota(n_E, cfg.recalibration_rate, cfg.quota_rule)
-            shares_WE = source_shares(counts_WE, quota_E)
-            shares_host = shares_WE.tolist()  # the one host sync of the gradient send
-            share_E = shares_WE[rank].to(torch.int32)
-            num_retained = int(sum(shares_host[rank]))
-            kept_rows_R, kept_pair_R, pair_kept_P, _, kept_scale_R, mass = ops.select(
-                score_P, row_pair_P, offsets_E, share_E, num_retained, cfg.selection, seed)
-            scale_R = alpha_P.index_select(0, kept_pair_R) * kept_scale_R
+            score_P, seed = score_pairs(cfg, stats, g_TH, weights_TK, phi_sq_P, row_pair_P)
+            with phase("lrmoe.select"):
+                quota_E = ops.quota(n_E, cfg.recalibration_rate, cfg.quota_rule)
+                shares_WE = source_shares(counts_WE, quota_E)
+                shares_host = shares_WE.tolist()  # the one host sync of the gradient send
+                share_E = shares_WE[rank].to(torch.int32)
+                num_retained = int(sum(shares_host[rank]))
+                kept_rows_R, kept_pair_R, pair_kept_P, _, kept_scale_R, mass = ops.select(
+                    score_P, row_pair_P, offsets_E, share_E, num_retained, cfg.selection,
+                    seed)
+            with phase("lrmoe.compact"):
+                scale_R = alpha_P.index_select(0, kept_pair_R) * kept_scale_R
             stats.quota_E, stats.retained_mass = quota_E, mass
         else:
             shares_host = counts_host
             num_retained = num_pairs
             kept_rows_R = torch.arange(num_pairs, dtype=torch.int32, device=dev)
             kept_pair_R, pair_kept_P = row_pair_P, pair_row_P
-            scale_R = alpha_P.index_select(0, row_pair_P)
+            with phase("lrmoe.compact"):
+                scale_R = alpha_P.index_select(0, row_pair_P)
             stats.quota_E, stats.retained_mass = n_E, None
         stats.num_retained, stats.kept_pair_R = num_retained, kept_pair_R
         stats.backward_steps += 1
 
         # source -> expert: only the kept rows and their positions
-        G_RH = ops.gather_rows(g_TH, kept_pair_R, scale_R, top_k)
+        with phase("lrmoe.compact"):
+            G_RH = ops.gather_rows(g_TH, kept_pair_R, scale_R, top_k)
         send = [_block_sums(shares_host[rank], d * el, (d + 1) * el) for d in range(world)]
         recv = [_block_sums(shares_host[s], rank * el, (rank + 1) * el) for s in range(world)]
         num_recv = sum(recv)
-        G_recv_MH = _a2a(G_RH, num_recv, send, recv, group)
-        pos_recv_M = _a2a(kept_rows_R.to(torch.int32), num_recv, send, recv, group)
+        with phase("lrmoe.a2a_grad"):
+            G_recv_MH = _a2a(G_RH, num_recv, send, recv, group)
+            pos_recv_M = _a2a(kept_rows_R.to(torch.int32), num_recv, send, recv, group)
 
-        # position in source s's row order -> arrival row of the forward -> expert-order row
-        arrival_start = [sum(recv_fwd[:s]) for s in range(world)]
-        segment_start = [_block_sums(counts_host[s], 0, rank * el) for s in range(world)]
-        base_W = torch.tensor([a - b for a, b in zip(arrival_start, segment_start)],
-                              dtype=torch.int64, device=dev)
-        base_M = torch.repeat_interleave(base_W, torch.tensor(recv, device=dev),
-                                         output_size=num_recv)
-        row_M = dest_N.index_select(0, pos_recv_M.long() + base_M)
-        row_sorted_M, order_M = torch.sort(row_M)  # (local expert, source) order
-        kept_per_expert = [sum(shares_host[s][rank * el + le] for s in range(world))
-                           for le in range(el)]
-        kept_offsets_L = torch.tensor(kept_per_expert, dtype=torch.int64,
-                                      device=dev).cumsum(0).to(torch.int32)
-        row32 = row_sorted_M.to(torch.int32)
-        G_MH = ops.gather_rows(G_recv_MH, order_M.to(torch.int32), None, 1)
-        h_M2I = ops.gather_rows(h_N2I, row32, None, 1)
-        X_MH = ops.gather_rows(x_NH, row32, None, 1)
-        phi_MI, _ = ops.swiglu(h_M2I)
-        dphi_MI = ops.grouped_mm(G_MH, w_down_LHI, kept_offsets_L)
-        grad_w_down_LHI = ops.grouped_mm(G_MH.t(), phi_MI, kept_offsets_L)
-        dh_M2I = ops.swiglu_backward(dphi_MI, h_M2I)
-        grad_w_gate_up_L2IH = ops.grouped_mm(dh_M2I.t(), X_MH, kept_offsets_L)
-        dx_MH = ops.grouped_mm(dh_M2I, w_gate_up_L2IH, kept_offsets_L)
+        with phase("lrmoe.compact"):
+            # position in source s's row order -> arrival row of the forward -> expert order
+            arrival_start = [sum(recv_fwd[:s]) for s in range(world)]
+            segment_start = [_block_sums(counts_host[s], 0, rank * el) for s in range(world)]
+            base_W = torch.tensor([a - b for a, b in zip(arrival_start, segment_start)],
+                                  dtype=torch.int64, device=dev)
+            base_M = torch.repeat_interleave(base_W, torch.tensor(recv, device=dev),
+                                             output_size=num_recv)
+            row_M = dest_N.index_select(0, pos_recv_M.long() + base_M)
+            row_sorted_M, order_M = torch.sort(row_M)  # (local expert, source) order
+            kept_per_expert = [sum(shares_host[s][rank * el + le] for s in range(world))
+                               for le in range(el)]
+            kept_offsets_L = torch.tensor(kept_per_expert, dtype=torch.int64,
+                                          device=dev).cumsum(0).to(torch.int32)
+            row32 = row_sorted_M.to(torch.int32)
+            G_MH = ops.gather_rows(G_recv_MH, order_M.to(torch.int32), None, 1)
+            h_M2I = ops.gather_rows(h_N2I, row32, None, 1)
+            X_MH = ops.gather_rows(x_NH, row32, None, 1)
+        with phase("lrmoe.expert_gemm_bwd"):
+            phi_MI, _ = ops.swiglu(h_M2I)
+            dphi_MI = ops.grouped_mm(G_MH, w_down_LHI, kept_offsets_L)
+            grad_w_down_LHI = ops.grouped_mm(G_MH.t(), phi_MI, kept_offsets_L)
+            dh_M2I = ops.swiglu_backward(dphi_MI, h_M2I)
+            grad_w_gate_up_L2IH = ops.grouped_mm(dh_M2I.t(), X_MH, kept_offsets_L)
+            dx_MH = ops.grouped_mm(dh_M2I, w_gate_up_L2IH, kept_offsets_L)
 
         # expert -> source: dX of the kept pairs, in the order they were sent
-        dx_recv_MH = ops.gather_rows(dx_MH, _inverse(order_M).to(torch.int32), None, 1)
-        dx_RH = _a2a(dx_recv_MH, num_retained, recv, send, group)
-        grad_x_TH = ops.combine(dx_RH, pair_kept_P, None, top_k)
+        with phase("lrmoe.scatter"):
+            dx_recv_MH = ops.gather_rows(dx_MH, _inverse(order_M).to(torch.int32), None, 1)
+        with phase("lrmoe.a2a_dx"):
+            dx_RH = _a2a(dx_recv_MH, num_retained, recv, send, group)
+        with phase("lrmoe.scatter"):
+            grad_x_TH = ops.combine(dx_RH, pair_kept_P, None, top_k)
 
         h = g_TH.shape[1]
         esize = g_TH.element_size()

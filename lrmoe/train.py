@@ -915,20 +915,10 @@ def _ep_rank(cfg: "TrainConfig") -> int:
 
 def _init_expert_parallel(cfg: "TrainConfig") -> None:
     """Join the torchrun process group (world size must equal ``ep_size``)."""
-    import datetime
+    from lrmoe.parallel import init_torchrun_group
 
-    import torch.distributed as dist
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != cfg.ep_size:
-        raise ValueError(f"ep_size={cfg.ep_size} needs {cfg.ep_size} processes, but the world "
-                         f"size is {world}; launch with torchrun --nproc-per-node "
-                         f"{cfg.ep_size} ... --ep {cfg.ep_size}")
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo"
-        if backend == "nccl":  # one GPU per rank before NCCL binds the current device
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
+    init_torchrun_group(cfg.ep_size, torch.cuda.is_available() and cfg.device != "cpu",
+                        f"ep_size={cfg.ep_size}")
 
 
 def _resolve_device(name: str) -> torch.device:

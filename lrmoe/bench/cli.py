@@ -1,5 +1,6 @@
 """Argument parsing of ``lrmoe bench layer`` (shared by the console script and
-``benchmarks/layer_bench.py``)."""
+``benchmarks/layer_bench.py``); ``--ep N`` runs the expert-parallel benchmark
+(:mod:`lrmoe.bench.layer_ep`) under ``torchrun --nproc-per-node N``."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +8,7 @@ import shlex
 import sys
 from typing import List, Optional
 
-from lrmoe.bench.layer import SHAPES, bench_layer
+from lrmoe.bench.layer import METHODS, SHAPES, bench_layer
 
 
 def add_layer_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -15,15 +16,15 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b", "glm-4.5-air"],
                    choices=sorted(SHAPES), help="layer shapes (default: both paper shapes)")
     p.add_argument("--tokens", nargs="+", type=int, default=[16384, 32768],
-                   help="tokens per step T (default: 16384 32768)")
+                   help="tokens per step T, per rank with --ep (default: 16384 32768)")
     p.add_argument("--routing", nargs="+", default=["uniform", "skewed"],
                    choices=["uniform", "skewed", "trace"], help="routing kinds")
     p.add_argument("--trace", default=None, help="routing trace .npz for --routing trace")
     p.add_argument("--rates", nargs="+", type=float, default=[0.0, 0.1, 0.2, 0.3],
                    help="LRMoE recalibration rates")
-    p.add_argument("--methods", nargs="+", default=["lrmoe", "dropless", "transformers"],
-                   choices=["lrmoe", "dropless", "transformers"],
-                   help="LRMoE at each rate, the dropless grouped baseline, transformers' block")
+    p.add_argument("--methods", nargs="+", default=None, choices=list(METHODS),
+                   help="LRMoE at each rate, the dropless grouped baseline, transformers' "
+                        "block (default: all three; with --ep: lrmoe dropless)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="activation and weight dtype")
@@ -35,6 +36,10 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-out", help="folder for json/md/png")
     p.add_argument("--append-md", default=None,
                    help="also append the markdown table to this file (docs/performance.md)")
+    p.add_argument("--ep", type=int, default=None, metavar="N",
+                   help="expert-parallel benchmark over N processes: launch with torchrun "
+                        "--nproc-per-node N; experts sharded E/N per rank, --tokens per rank; "
+                        "writes layer_bench_ep.{json,md}")
     p.add_argument("--smoke", action="store_true",
                    help="tiny CPU-sized run (CI): shape smoke, 256 tokens, 2 iterations")
     return p
@@ -46,8 +51,11 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
         args.shapes, args.tokens, args.iters, args.warmup = ["smoke"], [256], 2, 1
         args.transformers_iters, args.rotate = 1, 2
         args.dtype = "float32" if (args.device or "cpu") == "cpu" else args.dtype
+    if args.ep is not None:
+        return _run_layer_ep(args, argv)
+    methods = args.methods or list(METHODS)
     command = "lrmoe bench layer " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    result = bench_layer(args.shapes, args.tokens, args.routing, args.rates, args.methods,
+    result = bench_layer(args.shapes, args.tokens, args.routing, args.rates, methods,
                          args.device, args.dtype, args.iters, args.warmup, args.rotate,
                          args.transformers_iters, args.trace, args.out, args.append_md,
                          command)
@@ -58,4 +66,32 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
     for t in result["targets"]:
         v = "-" if t["value"] is None else f"{t['value']:.3f}"
         print(f"target {t['target']}: {v} ({t['limit']}) {'met' if t['met'] else 'MISSED'}")
+    return result
+
+
+def _run_layer_ep(args: argparse.Namespace, argv: Optional[List[str]]) -> Optional[dict]:
+    """``--ep N``: the expert-parallel benchmark; rank 0 prints the summary."""
+    from lrmoe.bench.layer_ep import A2A_PHASES, bench_layer_ep, torchrun_command
+
+    command = torchrun_command(argv if argv is not None else sys.argv[1:],
+                               None if argv is not None else sys.argv[0])
+    result = bench_layer_ep(args.ep, args.shapes, args.tokens, args.routing, args.rates,
+                            args.methods or ["lrmoe", "dropless"], args.device, args.dtype,
+                            args.iters, args.warmup, args.rotate, args.trace, args.out,
+                            args.append_md, command)
+    if result is None:  # ranks > 0
+        return None
+    meta = result["meta"]
+    print(f"{meta['device']} x{meta['world_size']} ({meta['backend']}): wrote "
+          f"{args.out}/layer_bench_ep.{{json,md}}; ms are max over ranks, bytes summed")
+    for r in result["records"]:
+        ph = r["phases_ms"]
+        ratio = "-" if r["vs_dropless"] is None else f"{r['vs_dropless']:.3f}"
+        bratio = "-" if r["bwd_bytes_vs_c0"] is None else f"{r['bwd_bytes_vs_c0']:.3f}"
+        print(f"{r['shape']:>14} {r['tokens_per_rank']:>6}/rank {r['routing']:>8} "
+              f"{r['method']:>14} fwd {r['fwd_ms']:8.2f} bwd {r['bwd_ms']:8.2f} ms "
+              f"(x dropless {ratio})  a2a ms "
+              + " ".join(f"{k[4:]} {ph.get(k, float('nan')):.2f}" for k in A2A_PHASES)
+              + f"  a2a MB fwd {r['a2a_bytes_fwd'] / 1e6:.2f} bwd {r['a2a_bytes_bwd'] / 1e6:.2f}"
+              f" (bwd x c=0 {bratio})")
     return result

@@ -16,6 +16,9 @@ compact, expert_gemm_bwd, scatter) and, for kernels outside any range, GEMM vs o
 kernel name. Ceilings measured in the same run: device copy bandwidth (bytes read +
 written) and a dense bf16 8192^3 GEMM.
 
+Expert parallelism (``--ep N`` under torchrun) is :mod:`lrmoe.bench.layer_ep`; it reuses
+the pieces here (methods, inputs, timing loop, profiling, phase times, reports).
+
 Legend: T tokens, H hidden, I expert intermediate, E experts, K top_k, P = T*K, R
 retained pairs.
 """
@@ -102,7 +105,8 @@ def load_imbalance(ids: torch.Tensor, num_experts: int) -> float:
 
 
 # --------------------------------------------------------------------------- methods
-def _load_baseline():
+def _load_baseline(name: str = "dropless_moe") -> Callable:
+    """``benchmarks/dropless_moe.py``'s function ``name`` (the file is not a package)."""
     path = REPO / "benchmarks" / "dropless_moe.py"
     if not path.is_file():
         raise FileNotFoundError(f"the dropless baseline {path} is missing: run the bench "
@@ -110,26 +114,61 @@ def _load_baseline():
     spec = importlib.util.spec_from_file_location("lrmoe_bench_dropless", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.dropless_moe
+    return getattr(module, name)
 
 
 class _Method:
-    """A forward callable over (x, ids) with shared parameters; backward via autograd."""
+    """A forward callable over (x, ids) with shared parameters; backward via autograd.
+
+    ``a2a_bytes``: expert parallel only, the dict of all-to-all bytes of the last step
+    (``lrmoe.parallel`` keys), refreshed by every forward/backward.
+    """
 
     def __init__(self, name: str, forward: Callable, params: List[torch.Tensor],
-                 layer: Optional[LRMoELayer] = None) -> None:
+                 layer: Optional[LRMoELayer] = None,
+                 a2a_bytes: Optional[Dict[str, int]] = None) -> None:
         self.name, self.forward, self.params, self.layer = name, forward, params, layer
+        self._a2a_bytes = a2a_bytes
+
+    @property
+    def a2a_bytes(self) -> Dict[str, int]:
+        if self.layer is not None:
+            return dict(self.layer.stats.a2a_bytes or {})
+        return dict(self._a2a_bytes or {})
+
+
+def layer_config(case: Case) -> LRMoEConfig:
+    """The LRMoE config of a case (metric ``lrm``, c set per method)."""
+    d = case.dims
+    return LRMoEConfig(hidden_size=d["hidden"], moe_intermediate_size=d["inter"],
+                       num_experts=d["experts"], top_k=d["top_k"],
+                       shared_expert_intermediate_size=d["shared"], metric="lrm")
 
 
 def build_methods(case: Case, rates: Sequence[float], methods: Sequence[str],
-                  device: torch.device) -> List[_Method]:
-    """All methods of one case over ONE set of weights (bf16 on GPU)."""
-    d = case.dims
-    cfg = LRMoEConfig(hidden_size=d["hidden"], moe_intermediate_size=d["inter"],
-                      num_experts=d["experts"], top_k=d["top_k"],
-                      shared_expert_intermediate_size=d["shared"], metric="lrm")
+                  device: torch.device, ep_group=None) -> List[_Method]:
+    """All methods of one case over ONE set of weights (bf16 on GPU).
+
+    Args:
+        case: the shape, tokens and dtype. rates: LRMoE recalibration rates.
+        methods: any of ``lrmoe``, ``dropless``, ``transformers``.
+        device: where weights and inputs live.
+        ep_group: a process group for expert parallelism: the LRMoE layer shards its
+            experts over it (E / W per rank, the same slice of one seeded initialisation
+            on every method) and ``dropless`` becomes ``dropless_moe_ep``. A collective.
+
+    Returns:
+        One :class:`_Method` per LRMoE rate, then dropless, then transformers.
+
+    Raises:
+        ValueError: ``transformers`` together with ``ep_group`` (it has no EP mode).
+    """
+    if ep_group is not None and "transformers" in methods:
+        raise ValueError("--methods transformers has no expert-parallel mode; drop it from "
+                         "--methods when running with --ep")
     torch.manual_seed(0)
-    base = LRMoELayer(cfg).to(device=device, dtype=case.dtype)
+    base = LRMoELayer(layer_config(case), ep_group=ep_group).to(device=device,
+                                                                  dtype=case.dtype)
     out: List[_Method] = []
     if "lrmoe" in methods:
         for c in rates:
@@ -138,21 +177,33 @@ def build_methods(case: Case, rates: Sequence[float], methods: Sequence[str],
                 return base(x, ids)
             out.append(_Method(f"lrmoe c={c:g}", run_lrmoe, list(base.parameters()), base))
     if "dropless" in methods:
-        dropless = _load_baseline()
-        layer = base
-
-        def run_dropless(x, ids, layer=layer):
-            with torch.profiler.record_function("lrmoe.router"):
-                routing = layer.gate(x, ids)
-            o = dropless(x, routing.weights_TK, routing.expert_ids_TK,
-                         layer.experts.gate_up_proj, layer.experts.down_proj)
-            if layer.shared_expert is not None:
-                o = o + layer.shared_expert(x)
-            return o
-        out.append(_Method("dropless", run_dropless, list(base.parameters())))
+        out.append(_dropless_method(base, ep_group))
     if "transformers" in methods:
         out.append(_transformers_method(base, case, device))
     return out
+
+
+def _dropless_method(layer: LRMoELayer, ep_group) -> _Method:
+    """The dropless baseline on ``layer``'s router, experts and shared expert."""
+    a2a_bytes: Dict[str, int] = {}
+    if ep_group is None:
+        dropless = _load_baseline()
+    else:
+        dropless_ep = _load_baseline("dropless_moe_ep")
+
+        def dropless(*args):
+            return dropless_ep(*args, group=ep_group, a2a_bytes=a2a_bytes)
+
+    def run_dropless(x, ids):
+        with torch.profiler.record_function("lrmoe.router"):
+            routing = layer.gate(x, ids)
+        o = dropless(x, routing.weights_TK, routing.expert_ids_TK,
+                     layer.experts.gate_up_proj, layer.experts.down_proj)
+        if layer.shared_expert is not None:
+            o = o + layer.shared_expert(x)
+        return o
+    return _Method("dropless", run_dropless, list(layer.parameters()),
+                   a2a_bytes=a2a_bytes if ep_group is not None else None)
 
 
 def _transformers_method(base: LRMoELayer, case: Case, device: torch.device) -> _Method:
@@ -262,54 +313,135 @@ def _kernel_split(prof) -> Dict[str, float]:
     return {"gemm_kernels": gemm, "other_kernels": other}
 
 
+#: seed of input set s on EP rank r: ``s + ROUTING_SEED_STRIDE * r`` (rank 0 = one device)
+ROUTING_SEED_STRIDE = 1000
+
+
+@dataclasses.dataclass
+class Inputs:
+    """``rotate`` input sets of one case on one rank: ids (T, K) int64, x and g (T, H)."""
+
+    ids: List[torch.Tensor]
+    xs: List[torch.Tensor]
+    gs: List[torch.Tensor]
+    routing_seeds: List[int]
+
+
+def make_inputs(case: Case, device: torch.device, rotate: int, trace: Optional[str],
+                rank: int = 0) -> Inputs:
+    """The case's routing (seed ``s + ROUTING_SEED_STRIDE * rank`` for set s), token
+    states x and output gradients g (one CPU generator seeded ``1 + ROUTING_SEED_STRIDE *
+    rank``), moved to ``device`` in ``case.dtype``. Rank 0 gets the single-device inputs.
+    """
+    d = case.dims
+    seeds = [s + ROUTING_SEED_STRIDE * rank for s in range(rotate)]
+    ids = [make_routing(case.routing, case.tokens, d["experts"], d["top_k"], seed=s,
+                        trace=trace).to(device) for s in seeds]
+    gen = torch.Generator(device="cpu").manual_seed(1 + ROUTING_SEED_STRIDE * rank)
+    xs = [torch.randn(case.tokens, d["hidden"], generator=gen).to(device, case.dtype)
+          for _ in range(rotate)]
+    gs = [torch.randn(case.tokens, d["hidden"], generator=gen).to(device, case.dtype)
+          for _ in range(rotate)]
+    return Inputs(ids, xs, gs, seeds)
+
+
+def time_iterations(method: _Method, inputs: Inputs, timer: _Timer, warmup: int,
+                    iters: int, before_each: Optional[Callable[[], None]] = None):
+    """Run ``warmup + iters`` forward + backward steps over the rotated input sets.
+
+    ``before_each`` runs untimed before every step (EP: a barrier so ranks start
+    together). Returns (fwd ms list, bwd ms list) of the ``iters`` timed steps.
+    """
+    fwd, bwd = [], []
+    rotate = len(inputs.xs)
+    for i in range(warmup + iters):
+        j = i % rotate
+        x = inputs.xs[j].detach().requires_grad_()
+        for p in method.params:
+            p.grad = None
+        if before_each is not None:
+            before_each()
+        t0 = timer.event()
+        out = method.forward(x, inputs.ids[j])
+        t1 = timer.event()
+        out.backward(inputs.gs[j])
+        t2 = timer.event()
+        if i >= warmup:
+            fwd.append(timer.ms(t0, t1)); bwd.append(timer.ms(t1, t2))
+    return fwd, bwd
+
+
+def profile_step(method: _Method, inputs: Inputs, device: torch.device,
+                 split: bool = False, before_each: Optional[Callable[[], None]] = None
+                 ) -> list:
+    """Profile one forward + backward on input set 0 (the EP bench's byte counts are of
+    this step). ``split``: forward and backward in two profiler sessions (so kernels
+    found by name are told apart); ``before_each`` runs before each session starts (EP:
+    a barrier). Returns the list of profiles."""
+    x = inputs.xs[0].detach().requires_grad_()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    if before_each is None:
+        before_each = lambda: None  # noqa: E731
+    if not split:
+        before_each()
+        with torch.profiler.profile(activities=activities) as prof:
+            method.forward(x, inputs.ids[0]).backward(inputs.gs[0])
+            sync()
+        return [prof]
+    before_each()
+    with torch.profiler.profile(activities=activities) as prof_fwd:
+        out = method.forward(x, inputs.ids[0])
+        sync()
+    before_each()
+    with torch.profiler.profile(activities=activities) as prof_bwd:
+        out.backward(inputs.gs[0])
+        sync()
+    return [prof_fwd, prof_bwd]
+
+
+class PeakMemory:
+    """CUDA peak allocation above the start of a ``with`` block (None on CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda, self.peak = device.type == "cuda", None
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.mem0 = torch.cuda.memory_allocated()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.peak = torch.cuda.max_memory_allocated() - self.mem0
+
+
 def run_case(case: Case, rates: Sequence[float], methods: Sequence[str], device: torch.device,
              iters: int, warmup: int, rotate: int, trace: Optional[str],
              transformers_iters: int) -> List[dict]:
     """Time every method of one case; returns one record per method."""
     d = case.dims
     timer = _Timer(device)
-    ids_sets = [make_routing(case.routing, case.tokens, d["experts"], d["top_k"], seed=s,
-                             trace=trace).to(device) for s in range(rotate)]
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    xs = [torch.randn(case.tokens, d["hidden"], generator=gen).to(device, case.dtype)
-          for _ in range(rotate)]
-    gs = [torch.randn(case.tokens, d["hidden"], generator=gen).to(device, case.dtype)
-          for _ in range(rotate)]
-    imbalance = statistics.mean(load_imbalance(i, d["experts"]) for i in ids_sets)
+    inputs = make_inputs(case, device, rotate, trace)
+    imbalance = statistics.mean(load_imbalance(i, d["experts"]) for i in inputs.ids)
     records = []
     for method in build_methods(case, rates, methods, device):
         n_iter = transformers_iters if method.name == "transformers" else iters
         n_warm = min(warmup, 1) if method.name == "transformers" else warmup
-        fwd, bwd = [], []
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        mem0 = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-        for i in range(n_warm + n_iter):
-            j = i % rotate
-            x = xs[j].detach().requires_grad_()
-            for p in method.params:
-                p.grad = None
-            t0 = timer.event()
-            out = method.forward(x, ids_sets[j])
-            t1 = timer.event()
-            out.backward(gs[j])
-            t2 = timer.event()
-            if i >= n_warm:
-                fwd.append(timer.ms(t0, t1)); bwd.append(timer.ms(t1, t2))
-        peak = (torch.cuda.max_memory_allocated() - mem0) if device.type == "cuda" else None
-        x = xs[0].detach().requires_grad_()
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) as prof:
-            method.forward(x, ids_sets[0]).backward(gs[0])
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+        with PeakMemory(device) as mem:
+            fwd, bwd = time_iterations(method, inputs, timer, n_warm, n_iter)
+        (prof,) = profile_step(method, inputs, device)
         rec = dict(shape=case.shape, tokens=case.tokens, routing=case.routing,
                    load_max_over_mean=imbalance, method=method.name,
                    fwd_ms=statistics.median(fwd), bwd_ms=statistics.median(bwd),
-                   iters=n_iter, peak_bytes=peak,
+                   iters=n_iter, peak_bytes=mem.peak,
                    phases_ms=_phase_times(prof, device.type == "cuda"))
         if device.type == "cuda":
             rec.update(_kernel_split(prof))
@@ -488,38 +620,65 @@ def bench_layer(shapes: Sequence[str], tokens: Sequence[int], routings: Sequence
     Raises:
         ValueError: unknown shape/routing/method/dtype.
     """
-    for s in shapes:
-        if s not in SHAPES:
-            raise ValueError(f"unknown shape {s!r}; choose from {sorted(SHAPES)}")
-    for m in methods:
-        if m not in ("lrmoe", "dropless", "transformers"):
-            raise ValueError(f"unknown method {m!r}; choose lrmoe, dropless, transformers")
+    torch_dtype = check_choices(shapes, methods, dtype)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(dtype)
-    if torch_dtype is None:
-        raise ValueError(f"dtype must be bfloat16 or float32, got {dtype!r}")
     ceilings = measure_ceilings(dev)
     records: List[dict] = []
-    for shape in shapes:
-        for t in tokens:
-            for routing in routings:
-                case = Case(shape, t, routing, torch_dtype)
-                records += run_case(case, rates, methods, dev, iters, warmup, rotate, trace,
-                                    transformers_iters)
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
+    for case in cases(shapes, tokens, routings, torch_dtype, dev):
+        records += run_case(case, rates, methods, dev, iters, warmup, rotate, trace,
+                            transformers_iters)
     targets = check_targets(records, ceilings)
     meta = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
                 device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU",
                 command=command, iters=iters)
+    result = dict(records=records, ceilings=ceilings, targets=targets, meta=meta)
+    out = write_reports(result, markdown(records, ceilings, targets, meta), out_dir,
+                        "layer_bench", append_md)
+    plot(records, out / "layer_bench.png")
+    return result
+
+
+METHODS = ("lrmoe", "dropless", "transformers")
+
+
+def cases(shapes: Sequence[str], tokens: Sequence[int], routings: Sequence[str],
+          dtype: torch.dtype, device: torch.device):
+    """Every (shape, tokens, routing) :class:`Case`; frees the CUDA cache after each."""
+    for shape in shapes:
+        for t in tokens:
+            for routing in routings:
+                yield Case(shape, t, routing, dtype)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+
+
+def check_choices(shapes: Sequence[str], methods: Sequence[str], dtype: str) -> torch.dtype:
+    """Validate shape and method names; returns the torch dtype of ``dtype``.
+
+    Raises:
+        ValueError: naming the unknown shape, method or dtype and the choices.
+    """
+    for s in shapes:
+        if s not in SHAPES:
+            raise ValueError(f"unknown shape {s!r}; choose from {sorted(SHAPES)}")
+    for m in methods:
+        if m not in METHODS:
+            raise ValueError(f"unknown method {m!r}; choose lrmoe, dropless, transformers")
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(dtype)
+    if torch_dtype is None:
+        raise ValueError(f"dtype must be bfloat16 or float32, got {dtype!r}")
+    return torch_dtype
+
+
+def write_reports(result: dict, md: str, out_dir: str, stem: str,
+                  append_md: Optional[str]) -> Path:
+    """Write ``<stem>.json`` and ``<stem>.md`` under ``out_dir`` (created), append the
+    markdown to ``append_md`` when given; returns the folder."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    result = dict(records=records, ceilings=ceilings, targets=targets, meta=meta)
-    (out / "layer_bench.json").write_text(json.dumps(result, indent=1))
-    md = markdown(records, ceilings, targets, meta)
-    (out / "layer_bench.md").write_text(md)
-    plot(records, out / "layer_bench.png")
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{stem}.md").write_text(md)
     if append_md:
         with open(append_md, "a") as f:
             f.write("\n" + md)
-    return result
+    return out

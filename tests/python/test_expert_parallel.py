@@ -351,7 +351,9 @@ def test_data_parallel_grads_global_clip_and_checkpoint(backend, world):
 
 
 # ------------------------------------------------------------- lrmoe train --ep 2 (torchrun)
-def _torchrun(args, cwd, nproc=2, timeout=120):
+def _torchrun(args, cwd, nproc=2, timeout=120, subcommand=("train",)):
+    """``torchrun --nproc-per-node nproc -m lrmoe SUBCOMMAND ARGS`` on loopback gloo
+    (nproc=0: plain ``python -m lrmoe``, no torchrun)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -361,7 +363,7 @@ def _torchrun(args, cwd, nproc=2, timeout=120):
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                  str(nproc), "--master-addr", "127.0.0.1", "--master-port",
                  str(_free_port())] if nproc else [sys.executable])
-    return subprocess.run(launcher + ["-m", "lrmoe", "train", *args], cwd=cwd, env=env,
+    return subprocess.run(launcher + ["-m", "lrmoe", *subcommand, *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -1,0 +1,365 @@
+"""``lrmoe bench layer --ep N``: one MoE layer under expert parallelism, N processes.
+
+Launch: ``torchrun --nproc-per-node N -m lrmoe bench layer --ep N [options]``. Each rank
+holds E / N experts and its OWN ``--tokens`` tokens (tokens per rank), routing and inputs
+(input set s of rank r uses seed ``s + 1000 r``: :func:`lrmoe.bench.layer.make_inputs`).
+Methods, all on one seeded set of weights (each rank's expert shard is the same slice):
+  * LRMoE at each recalibration rate (``LRMoELayer(cfg, ep_group=WORLD)``,
+    :mod:`lrmoe.parallel`: only kept gradient rows cross the backward all-to-all);
+  * ``dropless``: ``dropless_moe_ep`` of ``benchmarks/dropless_moe.py`` (torchtitan-style
+    all-to-all dispatch and combine, autograd's backward moves every pair both ways).
+
+Per method and rank: warm-up, then ``iters`` steps each preceded by an untimed barrier,
+device events around forward and backward, the median. Reported: max over ranks (the
+step waits for the slowest rank) and mean. One extra profiled step (input set 0; forward
+and backward in separate profiler sessions) gives device ms (CPU ms on gloo) under each
+``lrmoe.*`` range -- the five all-to-alls ``a2a_counts``, ``a2a_dispatch``,
+``a2a_combine``, ``a2a_grad``, ``a2a_dx``, the expert GEMMs and the single-device phases
+-- max and mean over ranks. The dropless backward all-to-alls run in autograd nodes
+(``_AlltoAllSingleBackward``) outside any range: the first is ``a2a_grad``, the second
+``a2a_dx``. On CUDA, NCCL all-to-all kernels found by name (``SendRecv``/``AllToAll``)
+are listed too, as a check that does not rely on kernels being linked to ranges.
+An all-to-all's time includes waiting for the slowest peer to join (ranks carry
+different loads), which is why ranks are lined up by a barrier before each timed and
+profiled step (and the profiler is started once up front: its first start is slow).
+Bytes: the per-rank ``a2a_bytes`` of that step (bytes each rank SENDS into each
+all-to-all, rows to itself included; see :mod:`lrmoe.parallel`), summed over ranks.
+
+Legend: W ranks, T tokens per rank, E experts, K top_k, H hidden, P = T K pairs per rank.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lrmoe.bench.layer import (ROUTING_SEED_STRIDE, SHAPES, Case, PeakMemory, _f,
+                               _kernel_split, _phase_times, _Timer, build_methods, cases,
+                               check_choices, make_inputs, profile_step, time_iterations,
+                               write_reports)
+
+A2A_PHASES = ("a2a_counts", "a2a_dispatch", "a2a_combine", "a2a_grad", "a2a_dx")
+EP_PHASES = ("router", "permute", "a2a_counts", "a2a_dispatch", "expert_gemm_fwd",
+             "a2a_combine", "combine", "router_grad", "score", "select", "compact",
+             "a2a_grad", "expert_gemm_bwd", "a2a_dx", "scatter")
+BYTES_FWD = ("counts", "forward_dispatch", "forward_combine")
+BYTES_BWD = ("backward_grad", "backward_index", "backward_dx")
+#: substrings of NCCL all-to-all kernel names (NCCL runs all_to_all as grouped send/recv)
+A2A_KERNEL_NAMES = ("SendRecv", "AllToAll", "AlltoAll", "all_to_all", "alltoall")
+#: autograd node of torch.distributed.nn.functional.all_to_all_single's backward
+AUTOGRAD_A2A_NODE = "_AlltoAllSingleBackward"
+EP_METHODS = ("lrmoe", "dropless")
+
+
+# ----------------------------------------------------------------------- measurements
+def ep_phase_times(prof_fwd, prof_bwd, cuda: bool) -> Dict[str, float]:
+    """ms under each ``lrmoe.*`` range of a forward and a backward profile (device time
+    on CUDA, CPU time on gloo), plus, where the backward has no ``lrmoe.a2a_grad`` range
+    (the dropless baseline), its two autograd all-to-all nodes in time order as
+    ``a2a_grad`` and ``a2a_dx``."""
+    out = _phase_times(prof_fwd, cuda)
+    for k, v in _phase_times(prof_bwd, cuda).items():
+        out[k] = out.get(k, 0.0) + v
+    if "a2a_grad" not in out:
+        nodes = sorted((e for e in prof_bwd.events() if e.name == AUTOGRAD_A2A_NODE
+                        and e.device_type == torch.autograd.DeviceType.CPU),
+                       key=lambda e: e.time_range.start)
+        for key, evt in zip(("a2a_grad", "a2a_dx"), nodes):
+            out[key] = (evt.device_time_total if cuda else evt.cpu_time_total) / 1e3
+    return out
+
+
+def a2a_kernel_ms(prof) -> List[float]:
+    """ms of each NCCL all-to-all kernel of a profile, in launch order (empty on CPU).
+
+    NCCL kernels are named ``ncclDevKernel_SendRecv...``/``ncclKernel_...``; the
+    profiler's GPU-side mirrors of ranges (``nccl:all_to_all``, ``lrmoe.*``) are skipped.
+    """
+    kernels = []
+    for evt in prof.events():
+        if getattr(evt, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        name = evt.name
+        if (name.startswith("nccl") and not name.startswith("nccl:")
+                and any(k in name for k in A2A_KERNEL_NAMES)):
+            t = evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
+            kernels.append((evt.time_range.start, t / 1e3))
+    return [t for _, t in sorted(kernels)]
+
+
+def _barrier(device: torch.device) -> None:
+    """All ranks here, and (CUDA) this rank's device idle, before a timed step."""
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _activities(device: torch.device) -> list:
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return acts
+
+
+def _summary(values: Sequence[float]) -> Dict[str, float]:
+    return {"max": max(values), "mean": statistics.mean(values)}
+
+
+def _merge_ranks(per_rank: List[dict]) -> dict:
+    """One method's record from every rank's own (rank order)."""
+    first = per_rank[0]
+    rec = {"method": first["method"]}
+    for key in ("fwd_ms", "bwd_ms", "fwd_bwd_ms"):
+        s = _summary([r[key] for r in per_rank])
+        rec[key], rec[key + "_mean"] = s["max"], s["mean"]
+    rec["fwd_bwd_ms_per_rank"] = [r["fwd_bwd_ms"] for r in per_rank]
+    phases = sorted({k for r in per_rank for k in r["phases_ms"]})
+    rec["phases_ms"] = {k: max(r["phases_ms"].get(k, 0.0) for r in per_rank) for k in phases}
+    rec["phases_ms_mean"] = {k: statistics.mean(r["phases_ms"].get(k, 0.0) for r in per_rank)
+                             for k in phases}
+    keys = BYTES_FWD + BYTES_BWD
+    rec["a2a_bytes_per_rank"] = [r["a2a_bytes"] for r in per_rank]
+    rec["a2a_bytes"] = {k: sum(r["a2a_bytes"].get(k, 0) for r in per_rank) for k in keys}
+    rec["a2a_bytes_fwd"] = sum(rec["a2a_bytes"][k] for k in BYTES_FWD)
+    rec["a2a_bytes_bwd"] = sum(rec["a2a_bytes"][k] for k in BYTES_BWD)
+    rec["a2a_kernels_ms"] = {
+        part: _summary([sum(r["a2a_kernels_ms"][part]) for r in per_rank])
+        for part in ("fwd", "bwd")}
+    rec["a2a_kernels_ms_per_rank"] = [r["a2a_kernels_ms"] for r in per_rank]
+    if "kernels_ms" in first:
+        rec["kernels_ms"] = {part: {k: max(r["kernels_ms"][part][k] for r in per_rank)
+                                    for k in first["kernels_ms"][part]}
+                             for part in ("fwd", "bwd")}
+    peaks = [r["peak_bytes"] for r in per_rank if r["peak_bytes"] is not None]
+    rec["peak_bytes"] = max(peaks) if peaks else None
+    for key in ("num_pairs", "num_retained"):
+        if first.get(key) is not None:
+            rec[key] = sum(r[key] for r in per_rank)
+    if first.get("recalibration_rate") is not None:
+        rec["recalibration_rate"] = first["recalibration_rate"]
+    return rec
+
+
+def _routing_loads(ids: torch.Tensor, num_experts: int, world: int) -> Dict[str, object]:
+    """Global expert loads of input set 0 over all ranks, and per-rank received rows."""
+    mine = torch.bincount(ids.reshape(-1).cpu(), minlength=num_experts).tolist()
+    every: List[Optional[List[int]]] = [None] * world
+    dist.all_gather_object(every, mine)
+    n_e = [sum(col) for col in zip(*every)]
+    el = num_experts // world
+    rank_rows = [sum(n_e[d * el:(d + 1) * el]) for d in range(world)]
+    mean_e = sum(n_e) / num_experts
+    return {"tokens_per_expert": n_e, "rows_per_rank": rank_rows,
+            "load_max_over_mean": max(n_e) / mean_e if mean_e else 0.0,
+            "rank_load_max_over_mean": (max(rank_rows) / (sum(rank_rows) / world)
+                                        if sum(rank_rows) else 0.0)}
+
+
+def run_case_ep(case: Case, rates: Sequence[float], methods: Sequence[str],
+                device: torch.device, iters: int, warmup: int, rotate: int,
+                trace: Optional[str]) -> Optional[List[dict]]:
+    """Time every method of one case on every rank of the default group (a collective).
+
+    ``case.tokens`` is per rank. Returns one merged record per method on rank 0, None on
+    the other ranks.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    d = case.dims
+    timer = _Timer(device)
+    inputs = make_inputs(case, device, rotate, trace, rank=rank)
+    loads = _routing_loads(inputs.ids[0], d["experts"], world)
+    cuda = device.type == "cuda"
+    records = []
+    for method in build_methods(case, rates, methods, device, ep_group=dist.group.WORLD):
+        with PeakMemory(device) as mem:
+            fwd, bwd = time_iterations(method, inputs, timer, warmup, iters,
+                                       before_each=lambda: _barrier(device))
+        prof_fwd, prof_bwd = profile_step(method, inputs, device, split=True,
+                                          before_each=lambda: _barrier(device))
+        mine = dict(method=method.name, fwd_ms=statistics.median(fwd),
+                    bwd_ms=statistics.median(bwd), peak_bytes=mem.peak,
+                    phases_ms=ep_phase_times(prof_fwd, prof_bwd, cuda),
+                    a2a_kernels_ms={"fwd": a2a_kernel_ms(prof_fwd),
+                                    "bwd": a2a_kernel_ms(prof_bwd)},
+                    a2a_bytes=method.a2a_bytes)
+        mine["fwd_bwd_ms"] = mine["fwd_ms"] + mine["bwd_ms"]
+        if cuda:  # GEMM vs other kernels by name: the dropless backward has no GEMM range
+            mine["kernels_ms"] = {"fwd": _kernel_split(prof_fwd),
+                                  "bwd": _kernel_split(prof_bwd)}
+        if method.layer is not None:
+            st = method.layer.stats
+            mine.update(recalibration_rate=float(method.name.split("=")[1]),
+                        num_pairs=st.num_pairs, num_retained=st.num_retained)
+        every: List[Optional[dict]] = [None] * world
+        dist.all_gather_object(every, mine)
+        rec = _merge_ranks(every)
+        rec.update(shape=case.shape, tokens_per_rank=case.tokens, routing=case.routing,
+                   world_size=world, iters=iters, **loads)
+        records.append(rec)
+        del method
+    _add_ratios(records)
+    return records if rank == 0 else None
+
+
+def _add_ratios(records: List[dict]) -> None:
+    """fwd+bwd / dropless and backward a2a bytes / LRMoE c = 0, within one case."""
+    by_name = {r["method"]: r for r in records}
+    base, c0 = by_name.get("dropless"), by_name.get("lrmoe c=0")
+    for r in records:
+        r["vs_dropless"] = r["fwd_bwd_ms"] / base["fwd_bwd_ms"] if base else None
+        r["bwd_bytes_vs_c0"] = (r["a2a_bytes_bwd"] / c0["a2a_bytes_bwd"]
+                                if c0 and c0["a2a_bytes_bwd"] else None)
+
+
+# ----------------------------------------------------------------------------- report
+def markdown_ep(records: List[dict], meta: dict) -> str:
+    """The EP run as a markdown section (for docs/performance.md)."""
+    lines = [f"### Layer benchmark, expert parallel W = {meta['world_size']}, {meta['date']} "
+             f"({meta['device']})", "",
+             f"Command: `{meta['command']}`  ",
+             f"Hosts: {', '.join(meta['hosts'])}; backend {meta['backend']}"
+             f"{' ' + meta['nccl'] if meta.get('nccl') else ''}; torch "
+             f"{meta['torch']}. Tokens per rank; each rank its own routing and inputs. "
+             f"Median of {meta['iters']} iterations per rank (barrier before each, untimed); "
+             "times in ms, max over ranks (mean in the json). Phases: one profiled step, "
+             f"{'device' if meta['backend'] == 'nccl' else 'CPU'} ms per range, max over "
+             "ranks. Bytes: sent into each all-to-all, summed over ranks (MB = 1e6 B), "
+             "rows a rank sends itself included. The dropless backward is autograd's: "
+             "its all-to-alls are timed by their autograd nodes, its GEMMs have no range "
+             "(json: `kernels_ms` on CUDA). An all-to-all's time includes waiting for the "
+             "slowest peer.", ""]
+    head = ("| shape | tokens/rank | routing (max/mean) | method | fwd | bwd | fwd+bwd | "
+            "vs dropless | " + " | ".join(A2A_PHASES) + " | expert GEMM fwd | "
+            "expert GEMM bwd | a2a MB fwd | a2a MB bwd | bwd bytes vs c=0 |")
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in records:
+        ph = r["phases_ms"]
+        lines.append(
+            f"| {r['shape']} | {r['tokens_per_rank']} | {r['routing']} "
+            f"({r['load_max_over_mean']:.2f}) | {r['method']} | {r['fwd_ms']:.2f} | "
+            f"{r['bwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | {_f(r['vs_dropless'], 3)} | "
+            + " | ".join(_f(ph.get(k), 3) for k in A2A_PHASES)
+            + f" | {_f(ph.get('expert_gemm_fwd'), 3)} | {_f(ph.get('expert_gemm_bwd'), 3)} | "
+            f"{r['a2a_bytes_fwd'] / 1e6:.2f} | {r['a2a_bytes_bwd'] / 1e6:.2f} | "
+            f"{_f(r['bwd_bytes_vs_c0'], 3)} |")
+    keys = BYTES_FWD + BYTES_BWD
+    lines += ["", "All-to-all bytes by payload (MB, summed over ranks):", "",
+              "| shape | tokens/rank | routing | method | " + " | ".join(keys) + " |",
+              "|---|---|---|---|" + "---|" * len(keys)]
+    for r in records:
+        lines.append(f"| {r['shape']} | {r['tokens_per_rank']} | {r['routing']} | "
+                     f"{r['method']} | "
+                     + " | ".join(f"{r['a2a_bytes'][k] / 1e6:.3f}" for k in keys) + " |")
+    if meta["backend"] == "nccl":
+        lines += ["", "NCCL all-to-all kernels by name (ms per rank, sum over the step's "
+                  "kernels; max over ranks):", "",
+                  "| shape | tokens/rank | routing | method | fwd | bwd |",
+                  "|---|---|---|---|---|---|"]
+        for r in records:
+            k = r["a2a_kernels_ms"]
+            lines.append(f"| {r['shape']} | {r['tokens_per_rank']} | {r['routing']} | "
+                         f"{r['method']} | {k['fwd']['max']:.3f} | {k['bwd']['max']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _meta(command: str, device: torch.device, iters: int, warmup: int, rotate: int) -> dict:
+    """Run facts, gathered from every rank (a collective)."""
+    mine = {"host": socket.gethostname(),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"}
+    every: List[Optional[dict]] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    devices = sorted({m["device"] for m in every})
+    nccl = (".".join(str(v) for v in torch.cuda.nccl.version())
+            if dist.get_backend() == "nccl" else None)
+    return dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), torch=torch.__version__,
+                cuda=torch.version.cuda, nccl=nccl, world_size=dist.get_world_size(),
+                backend=str(dist.get_backend()), device=" + ".join(devices),
+                hosts=sorted({m["host"] for m in every}), command=command, iters=iters,
+                warmup=warmup, rotate=rotate, tokens="per rank",
+                routing_seed=f"set s of rank r: s + {ROUTING_SEED_STRIDE} r")
+
+
+def bench_layer_ep(ep: int, shapes: Sequence[str], tokens: Sequence[int],
+                   routings: Sequence[str], rates: Sequence[float] = (0.0, 0.1, 0.2, 0.3),
+                   methods: Sequence[str] = EP_METHODS, device: Optional[str] = None,
+                   dtype: str = "bfloat16", iters: int = 20, warmup: int = 5,
+                   rotate: int = 3, trace: Optional[str] = None, out_dir: str = "bench-out",
+                   append_md: Optional[str] = None, command: str = "") -> Optional[dict]:
+    """Run the expert-parallel benchmark in a torchrun process; rank 0 writes
+    ``layer_bench_ep.json`` and ``layer_bench_ep.md`` under ``out_dir`` (and appends the
+    markdown to ``append_md``).
+
+    Joins the process group torchrun prepared (NCCL with ``cuda:LOCAL_RANK`` on CUDA,
+    gloo on CPU) unless one exists, and destroys the group it created at the end.
+
+    Args:
+        ep: expert-parallel size; must equal torchrun's world size (``--nproc-per-node``).
+        shapes, routings, rates, device, dtype, iters, warmup, rotate, trace: as
+            :func:`lrmoe.bench.layer.bench_layer`; ``tokens``: tokens PER RANK.
+        methods: ``lrmoe`` and/or ``dropless`` (``transformers`` has no EP mode).
+
+    Returns:
+        On rank 0 a dict with ``records`` (one per case and method; times in ms, max over
+        ranks, ``*_mean`` the mean; ``phases_ms`` per range; ``a2a_bytes`` summed over
+        ranks) and ``meta``; None on the other ranks.
+
+    Raises:
+        ValueError: not under torchrun or a world size other than ``ep``; ``transformers``
+            in ``methods``; E of a shape not divisible by ``ep``; unknown shape/method/dtype.
+    """
+    from lrmoe.parallel import init_torchrun_group
+
+    if ep < 1:
+        raise ValueError(f"--ep must be >= 1, got {ep}")
+    if "transformers" in methods:
+        raise ValueError("--methods transformers has no expert-parallel mode; drop it from "
+                         "--methods when running with --ep")
+    torch_dtype = check_choices(shapes, methods, dtype)
+    for s in shapes:
+        if SHAPES[s]["experts"] % ep:
+            raise ValueError(f"--shapes {s} has {SHAPES[s]['experts']} experts, not "
+                             f"divisible by --ep {ep}; pick an --ep that divides it")
+    use_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    created = not dist.is_initialized()
+    init_torchrun_group(ep, use_cuda, f"--ep {ep}")
+    try:
+        dev = (torch.device("cuda", torch.cuda.current_device()) if use_cuda
+               else torch.device("cpu"))
+        meta = _meta(command, dev, iters, warmup, rotate)
+        # the profiler's first start takes long (hundreds of ms on some ranks): pay it
+        # here, so the barrier before each profiled step lines the ranks up
+        with torch.profiler.profile(activities=_activities(dev)):
+            pass
+        records: List[dict] = []
+        for case in cases(shapes, tokens, routings, torch_dtype, dev):
+            records += run_case_ep(case, rates, methods, dev, iters, warmup, rotate,
+                                   trace) or []
+        result = None
+        if dist.get_rank() == 0:
+            result = dict(records=records, meta=meta)
+            write_reports(result, markdown_ep(records, meta), out_dir, "layer_bench_ep",
+                          append_md)
+        _barrier(dev)  # leave together: no rank tears the group down under another's feet
+        return result
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def torchrun_command(args: Sequence[str], script: Optional[str] = None) -> str:
+    """How this process was launched, for the report: ``torchrun --nproc-per-node N
+    [--nnodes M] -m lrmoe bench layer ARGS`` (or ``SCRIPT ARGS``)."""
+    import shlex
+    nproc = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
+    nodes = int(os.environ.get("WORLD_SIZE", "1")) // max(1, int(nproc))
+    head = f"torchrun --nproc-per-node {nproc}" + (f" --nnodes {nodes}" if nodes > 1 else "")
+    body = script if script else "-m lrmoe bench layer"
+    return f"{head} {body} " + " ".join(shlex.quote(a) for a in args)
