@@ -136,7 +136,7 @@ def _check_dropless_ep(rank, world, sizes):
 
 @pytest.mark.parametrize("sizes", [[15, 8], [23, 0]])
 def test_dropless_ep_matches_single_process(sizes):
-    _spawn(_check_dropless_ep, 2, sizes)
+    _spawn(_check_dropless_ep, "gloo", 2, sizes)
 
 
 def test_dropless_ep_checks_token_rows():
