@@ -917,8 +917,10 @@ def _init_expert_parallel(cfg: "TrainConfig") -> None:
     """Join the torchrun process group (world size must equal ``ep_size``)."""
     from lrmoe.parallel import init_torchrun_group
 
-    init_torchrun_group(cfg.ep_size, torch.cuda.is_available() and cfg.device != "cpu",
-                        f"ep_size={cfg.ep_size}")
+    backend = init_torchrun_group(cfg.ep_size, torch.cuda.is_available() and cfg.device != "cpu",
+                                  f"ep_size={cfg.ep_size}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        _log(f"expert parallel: EP size {cfg.ep_size} over torch.distributed ({backend})")
 
 
 def _resolve_device(name: str) -> torch.device:
