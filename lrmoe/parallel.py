@@ -83,9 +83,9 @@ def init_torchrun_group(ep_size: int, use_cuda: bool, setting: str) -> str:
         The backend name (``"nccl"`` or ``"gloo"``).
 
     Raises:
-        ValueError: not started by torchrun (its env variables are missing) or a world
-            size other than ``ep_size``; the message names ``setting`` and
-            ``torchrun --nproc-per-node``.
+        ValueError: not started by torchrun (its env variables are missing), a world
+            size other than ``ep_size``, or (NCCL) more processes per node than GPUs; the
+            message names ``setting`` and ``torchrun --nproc-per-node``.
     """
     launch = f"launch with torchrun --nproc-per-node {ep_size} ... --ep {ep_size}"
     missing = [v for v in _TORCHRUN_ENV if v not in os.environ]
@@ -100,7 +100,13 @@ def init_torchrun_group(ep_size: int, use_cuda: bool, setting: str) -> str:
     if not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
         if backend == "nccl":  # one GPU per rank before NCCL binds the current device
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            if local >= torch.cuda.device_count():
+                raise ValueError(f"{setting}: local rank {local} needs GPU {local}, but torch "
+                                 f"sees {torch.cuda.device_count()} CUDA device(s) on this "
+                                 "node; start at most that many processes per node "
+                                 "(torchrun --nproc-per-node) or run on the CPU (--device cpu)")
+            torch.cuda.set_device(local)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
     return dist.get_backend()
 

@@ -37,7 +37,8 @@ def test_ep_smoke_run_phases_and_bytes(tmp_path):
     world, tokens = 2, 256
     md = tmp_path / "perf.md"
     md.write_text("# perf\n")
-    r = _torchrun(["--ep", "2", "--smoke", "--routing", "skewed", "--out", str(tmp_path / "o"),
+    r = _torchrun(["--ep", "2", "--smoke", "--device", "cpu", "--routing", "skewed", "--out",
+                   str(tmp_path / "o"),
                    "--append-md", str(md)], tmp_path, nproc=world, timeout=180,
                   subcommand=("bench", "layer"))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
