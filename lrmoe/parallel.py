@@ -391,16 +391,21 @@ def is_expert_param(p: Tensor) -> bool:
     return bool(getattr(p, EXPERT_PARAM_ATTR, False))
 
 
-def allreduce_non_expert_grads(module: nn.Module, group=None) -> None:
+def allreduce_non_expert_grads(module: nn.Module, group=None,
+                               bucket_bytes: int = 64 << 20) -> None:
     """Data-parallel gradient sync for a loss that is the MEAN of the ranks' local losses.
 
-    Non-expert gradients are averaged over ``group`` (all-reduce, then / W). Expert-sharded
-    gradients are only divided by W: each already sums the contributions of every rank's
-    tokens through the all-to-all, so no collective is needed for them. Parameters
-    without a gradient contribute zeros (every rank joins the same collectives). A
-    collective.
+    Non-expert gradients are averaged over ``group``: flattened into buckets of at most
+    ``bucket_bytes`` per dtype (one all-reduce per bucket, as DDP's reducer does, instead
+    of one per parameter), summed, divided by W and copied back. Expert-sharded gradients
+    are only divided by W: each already sums the contributions of every rank's tokens
+    through the all-to-all, so no collective is needed for them. Parameters without a
+    gradient contribute zeros (every rank joins the same collectives, in parameter
+    order). A collective.
     """
     world = dist.get_world_size(group)
+    open_bucket: Dict[torch.dtype, List[Tensor]] = {}
+    full: List[List[Tensor]] = []
     for p in module.parameters():
         if not p.requires_grad:
             continue
@@ -410,8 +415,16 @@ def allreduce_non_expert_grads(module: nn.Module, group=None) -> None:
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, group=group)
-        p.grad.div_(world)
+        bucket = open_bucket.setdefault(p.grad.dtype, [])
+        bucket.append(p.grad)
+        if sum(g.numel() for g in bucket) * p.grad.element_size() >= bucket_bytes:
+            full.append(open_bucket.pop(p.grad.dtype))
+    for grads in full + list(open_bucket.values()):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat.div_(world)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, group=None) -> Tensor:

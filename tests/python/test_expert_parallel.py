@@ -322,7 +322,7 @@ def _check_dp_helpers(rank, world):
     sl = slice(starts[rank], starts[rank] + sizes[rank])
     (ref(x) * w_out).sum().backward()
     (ep(x[sl]) * w_out[sl]).sum().backward()
-    allreduce_non_expert_grads(ep)
+    allreduce_non_expert_grads(ep, bucket_bytes=256)  # several buckets
     el = cfg.num_experts // world
     for (name, p), (_, q) in zip(ep.named_parameters(), ref.named_parameters()):
         # loss = mean of the ranks' losses: every gradient is the full-batch one / W
