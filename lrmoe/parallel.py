@@ -16,7 +16,8 @@ Forward (exact, every pair):
 Backward (planned, DESIGN.md section 2):
   source: dalpha = <g, y> for every pair (exact router gradient) -> score every pair ->
   global quota Q_e from the all-gathered counts -> per-(source, expert) share of Q_e by
-  largest remainder (deterministic, identical on every rank) -> one ``.tolist()`` ->
+  largest remainder (deterministic, identical on every rank; computed on the host from
+  the counts the forward already synced, so the backward has no host sync) ->
   ``ops.select`` on the source's own rows -> send ONLY the kept rows of G = alpha g and their
   int32 row positions -> expert: compaction of its saved x/h rows, grouped GEMMs for dW and
   dX -> return dX of kept pairs only -> source: scatter into dx (dropped pairs add nothing).
@@ -28,7 +29,7 @@ single-device twin): forward ``lrmoe.permute`` (source permute and the expert-si
 and un-sort), ``lrmoe.a2a_counts`` (count all_gather + its host sync), ``lrmoe.a2a_dispatch``,
 ``lrmoe.expert_gemm_fwd`` (grouped GEMMs + swiglu), ``lrmoe.a2a_combine`` (y rows + phi_sq
 side band), ``lrmoe.combine``; backward ``lrmoe.router_grad``, ``lrmoe.score``,
-``lrmoe.select`` (quotas, shares + their host sync, selection), ``lrmoe.compact`` (gathers
+``lrmoe.select`` (quotas and shares on the host, selection), ``lrmoe.compact`` (gathers
 of kept rows on both sides), ``lrmoe.a2a_grad`` (G rows + int32 positions),
 ``lrmoe.expert_gemm_bwd``, ``lrmoe.a2a_dx``, ``lrmoe.scatter``. Ranges add no host syncs.
 
@@ -167,6 +168,17 @@ def _a2a(x: Tensor, out_rows: int, in_splits: List[int], out_splits: List[int], 
     return out
 
 
+def _h2d(values, dtype: torch.dtype, dev: torch.device) -> Tensor:
+    """A host list as a tensor on ``dev`` without a host sync: a plain ``torch.tensor(...,
+    device=cuda)`` copies from pageable memory and synchronises the stream; a pinned
+    staging tensor copied with ``non_blocking`` does not (the caching host allocator keeps
+    it alive until the copy has run)."""
+    t = torch.tensor(values, dtype=dtype)
+    if dev.type != "cuda":
+        return t
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
 def _block_sums(row: Sequence[int], start: int, stop: int) -> int:
     return int(sum(row[start:stop]))
 
@@ -238,8 +250,8 @@ class ExpertParallelFunction(torch.autograd.Function):
 
         # counts exchange; the config hash rides along (fails fast on set_recalibration drift)
         with phase("lrmoe.a2a_counts"):
-            meta = torch.cat([n_E.long(), torch.tensor([config_hash(config, world)],
-                                                       dtype=torch.int64, device=dev)])
+            meta = torch.cat([n_E.long(), _h2d([config_hash(config, world)], torch.int64,
+                                                dev)])
             meta_comm = meta.to(_comm_device(group))
             got = [torch.empty_like(meta_comm) for _ in range(world)]
             dist.all_gather(got, meta_comm, group=group)
@@ -301,14 +313,18 @@ class ExpertParallelFunction(torch.autograd.Function):
         with phase("lrmoe.router_grad"):
             grad_weights_TK = ops.routing_weight_grad(g_TH, y_PH, pair_row_P, top_k)
         alpha_P = weights_TK.detach().reshape(-1).float()
-        n_E = counts_WE.sum(0).to(torch.int32)
         if cfg.selective_backward:
             score_P, seed = score_pairs(cfg, stats, g_TH, weights_TK, phi_sq_P, row_pair_P)
             with phase("lrmoe.select"):
-                quota_E = ops.quota(n_E, cfg.recalibration_rate, cfg.quota_rule)
-                shares_WE = source_shares(counts_WE, quota_E)
-                shares_host = shares_WE.tolist()  # the one host sync of the gradient send
-                share_E = shares_WE[rank].to(torch.int32)
+                # quotas and shares depend only on the counts the forward already brought
+                # to the host: the same exact C++ on the CPU needs no device sync
+                counts_cpu = torch.tensor(counts_host, dtype=torch.int32)
+                quota_cpu = ops.quota(counts_cpu.sum(0).to(torch.int32),
+                                      cfg.recalibration_rate, cfg.quota_rule)
+                shares_cpu = source_shares(counts_cpu, quota_cpu)
+                shares_host = shares_cpu.tolist()
+                share_E = _h2d(shares_host[rank], torch.int32, dev)
+                quota_E = _h2d(quota_cpu.tolist(), torch.int32, dev)
                 num_retained = int(sum(shares_host[rank]))
                 kept_rows_R, kept_pair_R, pair_kept_P, _, kept_scale_R, mass = ops.select(
                     score_P, row_pair_P, offsets_E, share_E, num_retained, cfg.selection,
@@ -323,7 +339,7 @@ class ExpertParallelFunction(torch.autograd.Function):
             kept_pair_R, pair_kept_P = row_pair_P, pair_row_P
             with phase("lrmoe.compact"):
                 scale_R = alpha_P.index_select(0, row_pair_P)
-            stats.quota_E, stats.retained_mass = n_E, None
+            stats.quota_E, stats.retained_mass = counts_WE.sum(0).to(torch.int32), None
         stats.num_retained, stats.kept_pair_R = num_retained, kept_pair_R
         stats.backward_steps += 1
 
@@ -341,16 +357,15 @@ class ExpertParallelFunction(torch.autograd.Function):
             # position in source s's row order -> arrival row of the forward -> expert order
             arrival_start = [sum(recv_fwd[:s]) for s in range(world)]
             segment_start = [_block_sums(counts_host[s], 0, rank * el) for s in range(world)]
-            base_W = torch.tensor([a - b for a, b in zip(arrival_start, segment_start)],
-                                  dtype=torch.int64, device=dev)
-            base_M = torch.repeat_interleave(base_W, torch.tensor(recv, device=dev),
+            base_W = _h2d([a - b for a, b in zip(arrival_start, segment_start)], torch.int64,
+                          dev)
+            base_M = torch.repeat_interleave(base_W, _h2d(recv, torch.int64, dev),
                                              output_size=num_recv)
             row_M = dest_N.index_select(0, pos_recv_M.long() + base_M)
             row_sorted_M, order_M = torch.sort(row_M)  # (local expert, source) order
             kept_per_expert = [sum(shares_host[s][rank * el + le] for s in range(world))
                                for le in range(el)]
-            kept_offsets_L = torch.tensor(kept_per_expert, dtype=torch.int64,
-                                          device=dev).cumsum(0).to(torch.int32)
+            kept_offsets_L = _h2d(kept_per_expert, torch.int64, dev).cumsum(0).to(torch.int32)
             row32 = row_sorted_M.to(torch.int32)
             G_MH = ops.gather_rows(G_recv_MH, order_M.to(torch.int32), None, 1)
             h_M2I = ops.gather_rows(h_N2I, row32, None, 1)

@@ -288,6 +288,40 @@ def test_backward_bytes_shrink_with_c(backend, world):
     _spawn(_check_bytes, backend, world)
 
 
+# ------------------------------------------------------------------- host syncs (NCCL)
+def _check_host_syncs(rank, world):
+    import warnings
+
+    cfg = _cfg(num_experts=2 * world, recalibration_rate=0.25)
+    ep, _ = _layers(cfg)
+    x = torch.randn(64, 8, dtype=torch.float64, device=_DEVICE, requires_grad=True)
+    ep(x).square().sum().backward()  # warm-up: NCCL communicators, allocator
+    torch.cuda.synchronize()
+
+    def syncs(caught):
+        return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as fwd:
+            warnings.simplefilter("always")
+            loss = ep(x).square().sum()
+        with warnings.catch_warnings(record=True) as bwd:
+            warnings.simplefilter("always")
+            loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    # the split sizes of the dispatch all-to-all are the forward's one host sync; the
+    # backward's quotas and shares come from those counts, computed on the host
+    assert len(syncs(fwd)) == 1, syncs(fwd)
+    assert syncs(bwd) == [], syncs(bwd)
+
+
+@pytest.mark.parametrize("backend,world", _backends([], (1, 2)))
+def test_one_host_sync_per_forward_none_in_backward(backend, world):
+    _spawn(_check_host_syncs, backend, world)
+
+
 # ---------------------------------------------------------------------- config mismatch
 def _check_mismatch(rank, world):
     cfg = _cfg(moe_intermediate_size=6 if rank == 0 else 10)
