@@ -292,10 +292,14 @@ def test_backward_bytes_shrink_with_c(backend, world):
 def _check_host_syncs(rank, world):
     import warnings
 
-    cfg = _cfg(num_experts=2 * world, recalibration_rate=0.25)
-    ep, _ = _layers(cfg)
-    x = torch.randn(64, 8, dtype=torch.float64, device=_DEVICE, requires_grad=True)
-    ep(x).square().sum().backward()  # warm-up: NCCL communicators, allocator
+    # bf16: the fused grouped GEMM reads device offsets (the float64 fallback loops over
+    # experts with host offsets, a sync per GEMM by design)
+    cfg = _cfg(hidden_size=64, moe_intermediate_size=32, num_experts=4 * world, top_k=4,
+               recalibration_rate=0.25)
+    torch.manual_seed(0)
+    ep = LRMoELayer(cfg, ep_group=dist.group.WORLD).to(_DEVICE, torch.bfloat16)
+    x = torch.randn(256, 64, dtype=torch.bfloat16, device=_DEVICE, requires_grad=True)
+    ep(x).float().square().sum().backward()  # warm-up: NCCL communicators, allocator
     torch.cuda.synchronize()
 
     def syncs(caught):
@@ -305,7 +309,7 @@ def _check_host_syncs(rank, world):
     try:
         with warnings.catch_warnings(record=True) as fwd:
             warnings.simplefilter("always")
-            loss = ep(x).square().sum()
+            loss = ep(x).float().square().sum()
         with warnings.catch_warnings(record=True) as bwd:
             warnings.simplefilter("always")
             loss.backward()
