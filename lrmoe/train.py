@@ -1290,6 +1290,18 @@ class Trainer:
         """End the run after the current step, with a checkpoint (what Ctrl-C does)."""
         self.stop_requested = True
 
+    def _stop_agreed(self) -> bool:
+        """Whether to stop now. Under expert parallelism every rank must stop after the
+        same step (a rank that stopped alone would leave the others waiting in the next
+        step's all-to-all, and the shards of the last checkpoint would not match): the
+        ranks' flags are max-reduced, a stop on any rank stops all. A collective."""
+        if self.ep_group is not None:
+            flag = torch.tensor([float(self.stop_requested)], device=self.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX,
+                                         group=self.ep_group)
+            self.stop_requested = bool(flag.item())
+        return self.stop_requested
+
     def _on_sigint(self, signum: int, frame: Any) -> None:
         self.request_stop()
         # a second Ctrl-C aborts at once
@@ -1424,7 +1436,7 @@ class Trainer:
                  f"({'bf16 autocast' if self.autocast_dtype else 'float32'}); "
                  f"LRMoE c={cfg.recalibration_rate:g} metric={cfg.metric} "
                  f"quota={cfg.quota_rule} selection={cfg.selection}; Ctrl-C saves and stops")
-            while self.step < cfg.steps and not self.stop_requested:
+            while self.step < cfg.steps and not self._stop_agreed():
                 record = self._train_step()
                 if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                     record.update(_diagnostics_means(self.model))

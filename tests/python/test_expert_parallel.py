@@ -389,9 +389,9 @@ def test_data_parallel_grads_global_clip_and_checkpoint(backend, world):
 
 
 # ------------------------------------------------------------- lrmoe train --ep 2 (torchrun)
-def _torchrun(args, cwd, nproc=2, timeout=120, subcommand=("train",)):
+def _torchrun(args, cwd, nproc=2, timeout=120, subcommand=("train",), wait=True):
     """``torchrun --nproc-per-node nproc -m lrmoe SUBCOMMAND ARGS`` on loopback gloo
-    (nproc=0: plain ``python -m lrmoe``, no torchrun)."""
+    (nproc=0: plain ``python -m lrmoe``, no torchrun); ``wait=False``: the Popen."""
     import subprocess
     import sys
     from pathlib import Path
@@ -401,8 +401,12 @@ def _torchrun(args, cwd, nproc=2, timeout=120, subcommand=("train",)):
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                  str(nproc), "--master-addr", "127.0.0.1", "--master-port",
                  str(_free_port())] if nproc else [sys.executable])
-    return subprocess.run(launcher + ["-m", "lrmoe", *subcommand, *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    cmd = launcher + ["-m", "lrmoe", *subcommand, *args]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def test_lrmoe_train_ep2_resume_and_ep_size_check(tmp_path):
@@ -472,3 +476,43 @@ def test_torchrun_ep1_runs_expert_parallel_with_ordinary_checkpoints(tmp_path):
     r = _torchrun(["--config", str(cfg_file), "--out", str(tmp_path / "two")], tmp_path)
     assert r.returncode != 0 and "launch with torchrun --nproc-per-node 1" in r.stderr, \
         r.stderr[-2000:]
+
+
+def test_ctrl_c_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """SIGINT to rank 1 only: both ranks finish the same step, save matching shards and
+    exit with the interrupted code; the run resumes from them."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_train import micro
+    from lrmoe import train as T
+    from lrmoe.cli import EXIT_INTERRUPTED
+
+    cfg_file = tmp_path / "cfg.yaml"
+    cfg_file.write_text(T.config_yaml(micro(tmp_path, steps=100000, eval_every=0,
+                                            save_every=0, log_every=1)))
+    run = tmp_path / "run"
+    proc = _torchrun(["--config", str(cfg_file), "--ep", "2", "--out", str(run)], tmp_path,
+                     wait=False)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not (
+            metrics.is_file() and metrics.read_text().count('"kind": "train"') >= 3):
+        time.sleep(0.2)
+    rank1 = [pid for pid in subprocess.run(["pgrep", "-P", str(proc.pid)], text=True,
+                                           capture_output=True).stdout.split()
+             if b"RANK=1\0" in Path(f"/proc/{pid}/environ").read_bytes()]
+    assert len(rank1) == 1, rank1
+    os.kill(int(rank1[0]), signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_INTERRUPTED or "interrupted" in err, err[-3000:]
+    steps0 = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+    steps1 = sorted(p.name for p in (run / "ep-rank-1" / "checkpoints").glob("step-*"))
+    assert steps0 == steps1 and len(steps0) == 1, (steps0, steps1)
+    r = _torchrun(["--resume", str(run / "checkpoints" / steps0[0]), "--steps",
+                   str(int(steps0[0].split("-")[1]) + 2), "--out", str(tmp_path / "more")],
+                  tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
