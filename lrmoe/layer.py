@@ -150,23 +150,21 @@ class LRMoELayer(nn.Module):
 
         Raises:
             ValueError: last dimension not H, non-floating input, input on another device
-                or (outside autocast) of another dtype than the expert weights, or
-                non-finite router logits (a device-side assertion on CUDA).
+                or (outside autocast) of another dtype than the expert weights,
+                ``expert_ids`` not (T, top_k), or non-finite router logits (a device-side
+                assertion on CUDA). Expert parallel: ranks whose compute dtypes differ.
+            RuntimeError: expert parallel, on every other rank when one rank failed
+                before the dispatch (its own error says why), instead of a hang.
         """
         cfg = self.config
-        w_gate_up, w_down = self.experts.gate_up_proj, self.experts.down_proj
-        self._check_input(hidden_states, w_gate_up)
         shape = hidden_states.shape
-        x_TH = hidden_states.reshape(-1, cfg.hidden_size)
-
-        device_type = x_TH.device.type
-        if torch.is_autocast_enabled(device_type):
-            dtype = torch.get_autocast_dtype(device_type)
-            x_TH, w_gate_up, w_down = x_TH.to(dtype), w_gate_up.to(dtype), w_down.to(dtype)
-
-        with torch.profiler.record_function("lrmoe.router"):
-            routing = self.gate(x_TH, expert_ids)
-        self._record_routing(routing.logits_TE, routing.probs_TE, routing.expert_ids_TK)
+        try:
+            x_TH, w_gate_up, w_down, routing = self._route(hidden_states, expert_ids)
+        except Exception:
+            if self.ep_group is not None:  # the other ranks raise too instead of waiting
+                from lrmoe.parallel import announce_failure
+                announce_failure(cfg, self.ep_group)
+            raise
 
         if self.ep_group is None:
             out_TH = ExpertFunction.apply(x_TH, routing.weights_TK, routing.expert_ids_TK,
@@ -182,6 +180,24 @@ class LRMoELayer(nn.Module):
                 shared_TH = torch.sigmoid(self.shared_expert_gate(x_TH)) * shared_TH
             out_TH = out_TH + shared_TH
         return out_TH.reshape(shape)
+
+    def _route(self, hidden_states: Tensor, expert_ids: Optional[Tensor]):
+        """Checks, autocast casts and the router: everything before the experts."""
+        cfg = self.config
+        w_gate_up, w_down = self.experts.gate_up_proj, self.experts.down_proj
+        self._check_input(hidden_states, w_gate_up)
+        x_TH = hidden_states.reshape(-1, cfg.hidden_size)
+        device_type = x_TH.device.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            x_TH, w_gate_up, w_down = x_TH.to(dtype), w_gate_up.to(dtype), w_down.to(dtype)
+        if expert_ids is not None and tuple(expert_ids.shape) != (x_TH.shape[0], cfg.top_k):
+            raise ValueError(f"expert_ids must be (T, top_k) = ({x_TH.shape[0]}, {cfg.top_k}) "
+                             f"for this input, got {tuple(expert_ids.shape)}")
+        with torch.profiler.record_function("lrmoe.router"):
+            routing = self.gate(x_TH, expert_ids)
+        self._record_routing(routing.logits_TE, routing.probs_TE, routing.expert_ids_TK)
+        return x_TH, w_gate_up, w_down, routing
 
     def _record_routing(self, logits_TE: Tensor, probs_TE: Tensor, expert_ids_TK: Tensor
                         ) -> None:

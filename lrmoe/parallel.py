@@ -46,7 +46,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,8 +61,11 @@ from lrmoe.experts import score_pairs
 EXPERT_PARAM_ATTR = "_lrmoe_expert_parallel"
 
 _HASH_FIELDS = ("hidden_size", "moe_intermediate_size", "num_experts", "top_k", "router",
-                "norm_topk_prob", "routed_scaling_factor", "recalibration_rate", "metric",
-                "quota_rule", "selection", "selective_backward", "seed")
+                "norm_topk_prob", "routed_scaling_factor", "shared_expert_intermediate_size",
+                "shared_expert_gate", "recalibration_rate", "metric", "quota_rule",
+                "selection", "selective_backward", "seed")
+#: the hash slot of the per-forward counts exchange when a rank failed before it
+_FAILED = -1
 
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -112,9 +115,12 @@ def init_torchrun_group(ep_size: int, use_cuda: bool, setting: str) -> str:
     return dist.get_backend()
 
 
-def config_hash(config: LRMoEConfig, ep_size: int) -> int:
-    """A 62-bit hash of the fields every EP rank must agree on (and the EP size)."""
-    text = repr([(f, getattr(config, f)) for f in _HASH_FIELDS] + [("ep_size", ep_size)])
+def config_hash(config: LRMoEConfig, ep_size: int, dtype: Optional[torch.dtype] = None
+                ) -> int:
+    """A 62-bit hash of the fields every EP rank must agree on (and the EP size, and the
+    compute dtype of the forward when given)."""
+    text = repr([(f, getattr(config, f)) for f in _HASH_FIELDS] + [("ep_size", ep_size)]
+                + ([("dtype", str(dtype))] if dtype is not None else []))
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
 
 
@@ -143,13 +149,32 @@ def check_config_across_ranks(config: LRMoEConfig, group) -> None:
 
 
 def _raise_on_mismatch(hashes: Sequence[int], config: LRMoEConfig, world: int,
-                       rank: int) -> None:
+                       rank: int, dtype: Optional[torch.dtype] = None) -> None:
+    failed = [i for i, h in enumerate(hashes) if h == _FAILED]
+    if failed:
+        raise RuntimeError(
+            f"expert-parallel ranks {failed} failed before the dispatch all-to-all (their own "
+            f"error says why); rank {rank} stops too instead of waiting for them")
     bad = [i for i, h in enumerate(hashes) if h != hashes[0]]
     if bad:
+        what = "configuration or compute dtype" if dtype is not None else "configuration"
         raise ValueError(
-            f"expert-parallel ranks disagree on the LRMoE configuration: ranks {bad} differ "
-            f"from rank 0 (E, K, H, I, c, metric, quota rule, selection, router, seed and EP "
-            f"size must match on every rank); rank {rank} has {config_summary(config, world)}")
+            f"expert-parallel ranks disagree on the LRMoE {what}: ranks {bad} differ "
+            f"from rank 0 (E, K, H, I, shared expert, c, metric, quota rule, selection, "
+            f"router, seed, EP size{' and the dtype of the expert inputs' if dtype else ''} "
+            f"must match on every rank); rank {rank} has {config_summary(config, world)}"
+            + (f", dtype={dtype}" if dtype is not None else ""))
+
+
+def announce_failure(config: LRMoEConfig, group) -> None:
+    """Join the counts exchange of the forward in place of a rank that failed before it
+    (bad input, non-finite router logits), so the other ranks raise at once instead of
+    waiting for the collective timeout. Call it from an ``except`` block, then re-raise.
+    A collective."""
+    world = dist.get_world_size(group)
+    meta = torch.zeros(config.num_experts + 1, dtype=torch.int64, device=_comm_device(group))
+    meta[-1] = _FAILED
+    dist.all_gather([torch.empty_like(meta) for _ in range(world)], meta, group=group)
 
 
 def _comm_device(group) -> torch.device:
@@ -244,20 +269,25 @@ class ExpertParallelFunction(torch.autograd.Function):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         num_experts, top_k, el = config.num_experts, expert_ids_TK.shape[1], w_gate_up_L2IH.shape[0]
         dev = x_TH.device
-        with phase("lrmoe.permute"):
-            row_pair_P, pair_row_P, n_E, offsets_E = ops.permute(expert_ids_TK, num_experts)
-            x_PH = ops.gather_rows(x_TH, row_pair_P, None, top_k)
+        try:
+            with phase("lrmoe.permute"):
+                row_pair_P, pair_row_P, n_E, offsets_E = ops.permute(expert_ids_TK,
+                                                                     num_experts)
+                x_PH = ops.gather_rows(x_TH, row_pair_P, None, top_k)
+        except Exception:
+            announce_failure(config, group)
+            raise
 
         # counts exchange; the config hash rides along (fails fast on set_recalibration drift)
         with phase("lrmoe.a2a_counts"):
-            meta = torch.cat([n_E.long(), _h2d([config_hash(config, world)], torch.int64,
-                                                dev)])
+            meta = torch.cat([n_E.long(), _h2d([config_hash(config, world, x_TH.dtype)],
+                                                torch.int64, dev)])
             meta_comm = meta.to(_comm_device(group))
             got = [torch.empty_like(meta_comm) for _ in range(world)]
             dist.all_gather(got, meta_comm, group=group)
             meta_WE1 = torch.stack(got).to(dev)
             meta_host = meta_WE1.tolist()  # the one host sync of the dispatch
-        _raise_on_mismatch([row[-1] for row in meta_host], config, world, rank)
+        _raise_on_mismatch([row[-1] for row in meta_host], config, world, rank, x_TH.dtype)
         counts_host = [row[:num_experts] for row in meta_host]
         counts_WE = meta_WE1[:, :num_experts]
         send = [_block_sums(counts_host[rank], d * el, (d + 1) * el) for d in range(world)]

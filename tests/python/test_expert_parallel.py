@@ -340,6 +340,29 @@ def _check_mismatch(rank, world):
         layer.set_recalibration(recalibration_rate=0.2)
     with pytest.raises(ValueError, match="disagree"):
         layer(torch.randn(5, 8, dtype=torch.float64, device=_DEVICE))
+    # compute dtypes that differ across ranks: a ValueError on every rank, not an abort
+    torch.manual_seed(0)
+    dt = torch.float32 if rank == 0 else torch.float64
+    layer = LRMoELayer(_cfg(), ep_group=dist.group.WORLD).to(_DEVICE, dt)
+    with pytest.raises(ValueError, match="compute dtype.*dtype=" + str(dt)):
+        layer(torch.randn(6, 8, dtype=dt, device=_DEVICE))
+    # a bad input on ONE rank fails every rank at once (no collective timeout)
+    layer = LRMoELayer(_cfg(), ep_group=dist.group.WORLD).double().to(_DEVICE)
+    ids = torch.tensor([[0, 1]] * (6 if rank == 0 else 5), device=_DEVICE)
+    want = ("expert_ids must be \\(T, top_k\\) = \\(6, 2\\)" if rank == 1
+            else "ranks \\[1\\] failed")
+    with pytest.raises((ValueError, RuntimeError), match=want):
+        layer(torch.randn(6, 8, dtype=torch.float64, device=_DEVICE), ids)
+    if _DEVICE.type == "cpu":  # on CUDA these are device-side assertions
+        x = torch.randn(6, 8, dtype=torch.float64)
+        ids = torch.tensor([[0, 1]] * 6)
+        if rank == 0:
+            x[0, 0] = float("nan")
+        else:
+            ids[0, 0] = 7
+        with pytest.raises((ValueError, RuntimeError, IndexError)):
+            layer(x, ids if rank == 1 else None)
+    layer(torch.randn(6, 8, dtype=torch.float64, device=_DEVICE)).sum().backward()  # usable
 
 
 @pytest.mark.parametrize("backend,world", _backends([2], (2,)))
