@@ -53,7 +53,8 @@ def _add_train_parser(sub: Any) -> None:
                         "trace`")
     p.add_argument("--resume", nargs="?", const="", default=None, metavar="DIR",
                    help="continue from a checkpoint dir, or the newest checkpoint of a run dir "
-                        "(default: of --out / the config's out_dir)")
+                        "(default: of --out / the config's out_dir); the run goes on in the "
+                        "checkpoint's run dir unless --out names another")
     p.add_argument("--overwrite", action="store_true",
                    help="a fresh run may replace the run files already in the out dir")
     p.add_argument("--print-config", action="store_true",
@@ -125,9 +126,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         probe = T.build_config(args.preset, args.config, args.sets, overrides)
         ckpt = T.find_checkpoint(args.resume or None, probe.out_dir)
         base = T.read_checkpoint_config(ckpt)
-        if args.preset is None and args.config is None and args.out_dir is None \
-                and args.resume and ckpt.parent.name == "checkpoints":
-            overrides["out_dir"] = str(ckpt.parent.parent)  # the run the checkpoint belongs to
+        if args.out_dir is None and args.resume and ckpt.parent.name == "checkpoints":
+            # the run the checkpoint belongs to, even when --config/--preset name another
+            # out_dir: resuming continues that run unless --out says otherwise
+            overrides["out_dir"] = str(ckpt.parent.parent)
         cfg = T.build_config(args.preset, args.config, args.sets, overrides, base=base)
     else:
         cfg = T.build_config(args.preset, args.config, args.sets, overrides)

@@ -99,8 +99,8 @@ def init_torchrun_group(ep_size: int, use_cuda: bool, setting: str) -> str:
                          f"set (this process was not started by torchrun); {launch}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != ep_size:
-        raise ValueError(f"{setting} needs {ep_size} processes, but the world size is "
-                         f"{world}; {launch}")
+        raise ValueError(f"{setting} needs {ep_size} processes, but torchrun started "
+                         f"{world}; pass --ep {world} to use them all, or {launch}")
     if not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
         if backend == "nccl":  # one GPU per rank before NCCL binds the current device

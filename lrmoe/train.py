@@ -1006,6 +1006,8 @@ class Trainer:
         cfg.validate()
         self.cfg = cfg
         self.ep_rank = _ep_rank(cfg)
+        if _expert_parallel(cfg):
+            _init_expert_parallel(cfg)  # a wrong world size fails before any file is written
         self.out_dir = Path(cfg.out_dir)
         if self.ep_rank > 0:
             self.out_dir = self.out_dir / f"ep-rank-{self.ep_rank}"
@@ -1030,8 +1032,14 @@ class Trainer:
         ckpt = self.resume_from
         assert ckpt is not None
         if not (ckpt / STATE_FILE).is_file():
-            raise FileNotFoundError(f"{ckpt} is not a checkpoint (no {STATE_FILE}); see "
-                                    "find_checkpoint()")
+            if self.ep_rank > 0:
+                raise FileNotFoundError(
+                    f"no checkpoint of EP rank {self.ep_rank} at {ckpt}: the checkpoint was "
+                    "written with another EP size (or without --ep); resume with the --ep "
+                    "it was saved with")
+            raise FileNotFoundError(f"{ckpt} is not a checkpoint (no {STATE_FILE}); pass a "
+                                    "checkpoint directory (checkpoints/step-XXXXXXXX) or a "
+                                    "run directory")
         saved = read_checkpoint_config(ckpt)
         self._state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
         decay = int(self._state["lr_decay_steps"])
@@ -1043,12 +1051,20 @@ class Trainer:
         self.decay_steps = self.cfg.lr_decay_steps or self.cfg.steps
         owned = [self.out_dir / n for n in (METRICS_FILE, CURVE_FILE, SUMMARY_FILE)]
         has_run = any(p.exists() for p in owned) or (self.out_dir / "checkpoints").exists()
+        if self.ep_rank > 0 and not overwrite:
+            # rank 0 refuses a run dir that holds a run: so does every other rank, before
+            # it writes into its ep-rank-r folder (not by metrics.jsonl: rank 0 may have
+            # just created it for this run)
+            root = self.out_dir.parent
+            has_run = has_run or any((root / n).exists()
+                                     for n in ("checkpoints", SUMMARY_FILE, CURVE_FILE))
         if has_run:
             if not overwrite:
-                ckpts = list_checkpoints(self.out_dir)
+                where = self.out_dir.parent if self.ep_rank > 0 else self.out_dir
+                ckpts = list_checkpoints(where)
                 last = f" (last checkpoint: {ckpts[-1].name})" if ckpts else ""
                 raise FileExistsError(
-                    f"{self.out_dir} already holds a run{last}; continue it with --resume, "
+                    f"{where} already holds a run{last}; continue it with --resume, "
                     "start over with --overwrite, or choose another --out")
             for p in owned:
                 p.unlink(missing_ok=True)
@@ -1071,8 +1087,7 @@ class Trainer:
             import torch.distributed as dist
 
             global _QUIET
-            _init_expert_parallel(cfg)
-            self.ep_group = dist.group.WORLD
+            self.ep_group = dist.group.WORLD  # joined in __init__
             _QUIET = self.ep_rank > 0
             if cfg.device in ("auto", "cuda") and torch.cuda.is_available():
                 cfg.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
@@ -1469,8 +1484,10 @@ class Trainer:
         if not _QUIET:
             print_summary(summary)
         if interrupted:
+            launch = (f"torchrun --nproc-per-node {cfg.ep_size} -m lrmoe train --ep "
+                      f"{cfg.ep_size}" if self.ep_group is not None else "lrmoe train")
             _log(f"interrupted at step {self.step}; checkpoint {self.last_checkpoint}. "
-                 f"Continue with: lrmoe train --out {cfg.out_dir} --resume")
+                 f"Continue with: {launch} --out {cfg.out_dir} --resume")
         return TrainResult(step=self.step, interrupted=interrupted, out_dir=self.out_dir,
                            checkpoint=self.last_checkpoint, summary=summary, model=self.model)
 

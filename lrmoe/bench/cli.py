@@ -11,11 +11,14 @@ from typing import List, Optional
 from lrmoe.bench.layer import METHODS, SHAPES, bench_layer
 
 
+DEFAULT_TOKENS = (16384, 32768)
+
+
 def add_layer_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options of ``lrmoe bench layer``."""
     p.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b", "glm-4.5-air"],
                    choices=sorted(SHAPES), help="layer shapes (default: both paper shapes)")
-    p.add_argument("--tokens", nargs="+", type=int, default=[16384, 32768],
+    p.add_argument("--tokens", nargs="+", type=int, default=list(DEFAULT_TOKENS),
                    help="tokens per step T, per rank with --ep (default: 16384 32768)")
     p.add_argument("--routing", nargs="+", default=["uniform", "skewed"],
                    choices=["uniform", "skewed", "trace"], help="routing kinds")
@@ -46,7 +49,24 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dict:
-    """Run ``bench layer`` from parsed arguments and print the targets table."""
+    """Run ``bench layer`` from parsed arguments and print the targets table.
+
+    Raises:
+        ValueError: ``--tokens`` below 1, ``--tokens`` together with ``--smoke`` (which
+            fixes 256), or several torchrun processes without ``--ep``.
+    """
+    import os
+
+    if min(args.tokens) < 1:
+        raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
+    if args.smoke and list(args.tokens) != list(DEFAULT_TOKENS):
+        raise ValueError("--smoke runs 256 tokens; drop --tokens, or drop --smoke to time "
+                         f"--tokens {' '.join(map(str, args.tokens))}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.ep is None and world > 1:
+        raise ValueError(f"torchrun started {world} processes but --ep is not given: pass "
+                         f"--ep {world} for the expert-parallel benchmark (without it every "
+                         "process would run the one-device benchmark into the same files)")
     if args.smoke:
         args.shapes, args.tokens, args.iters, args.warmup = ["smoke"], [256], 2, 1
         args.transformers_iters, args.rotate = 1, 2

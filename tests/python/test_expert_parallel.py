@@ -499,6 +499,16 @@ def test_torchrun_ep1_runs_expert_parallel_with_ordinary_checkpoints(tmp_path):
     r = _torchrun(["--config", str(cfg_file), "--out", str(tmp_path / "two")], tmp_path)
     assert r.returncode != 0 and "launch with torchrun --nproc-per-node 1" in r.stderr, \
         r.stderr[-2000:]
+    # an EP run into a folder holding a run is refused by every rank before any write
+    r = _torchrun(["--config", str(cfg_file), "--ep", "2", "--out", str(straight)], tmp_path)
+    assert r.returncode != 0 and "already holds a run" in r.stderr, r.stderr[:3000]
+    assert not (straight / "ep-rank-1").exists()
+    # --resume CKPT with --config continues the checkpoint's run, not the config's out_dir
+    r = _torchrun(["--config", str(cfg_file), "--resume", str(ckpt), "--steps", "5"],
+                  tmp_path, nproc=0)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [s for s, _ in losses(straight)] == [1, 2, 3, 4, 5]
+    assert not (tmp_path / "run").exists()
 
 
 def test_ctrl_c_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
