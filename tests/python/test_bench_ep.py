@@ -206,3 +206,19 @@ def test_merge_ranks_max_mean_sums_and_nccl_markdown():
     assert "| qwen3-30b-a3b | 32768 | skewed (2.50) | lrmoe c=0 | 2.00 |" not in text
     assert "| qwen3-30b-a3b | 32768 | skewed (2.50) | lrmoe c=0 | 3.00 | 4.00 | 6.00 |" in text
     assert "NCCL all-to-all kernels" in text and "| lrmoe c=0 | 1.000 | 1.000 |" in text
+
+
+def test_bench_cli_rejects_bad_tokens_and_torchrun_without_ep(monkeypatch):
+    from lrmoe.bench.cli import run_layer
+    from lrmoe.cli import build_parser
+
+    def run(*argv):
+        return run_layer(build_parser().parse_args(["bench", "layer", *argv]), list(argv))
+    with pytest.raises(ValueError, match="--tokens must be >= 1, got \\[0\\]"):
+        run("--tokens", "0")
+    with pytest.raises(ValueError, match="--smoke runs 256 tokens; drop --tokens"):
+        run("--smoke", "--tokens", "64")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="torchrun started 2 processes but --ep is not "
+                                         "given: pass --ep 2"):
+        run("--smoke", "--device", "cpu")
