@@ -46,6 +46,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+from itertools import accumulate
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -198,7 +199,7 @@ def _h2d(values, dtype: torch.dtype, dev: torch.device) -> Tensor:
     device=cuda)`` copies from pageable memory and synchronises the stream; a pinned
     staging tensor copied with ``non_blocking`` does not (the caching host allocator keeps
     it alive until the copy has run)."""
-    t = torch.tensor(values, dtype=dtype)
+    t = torch.as_tensor(values, dtype=dtype)
     if dev.type != "cuda":
         return t
     return t.pin_memory().to(dev, non_blocking=True)
@@ -353,8 +354,8 @@ class ExpertParallelFunction(torch.autograd.Function):
                                       cfg.recalibration_rate, cfg.quota_rule)
                 shares_cpu = source_shares(counts_cpu, quota_cpu)
                 shares_host = shares_cpu.tolist()
-                share_E = _h2d(shares_host[rank], torch.int32, dev)
-                quota_E = _h2d(quota_cpu.tolist(), torch.int32, dev)
+                share_E = _h2d(shares_cpu[rank], torch.int32, dev)
+                quota_E = _h2d(quota_cpu, torch.int32, dev)
                 num_retained = int(sum(shares_host[rank]))
                 kept_rows_R, kept_pair_R, pair_kept_P, _, kept_scale_R, mass = ops.select(
                     score_P, row_pair_P, offsets_E, share_E, num_retained, cfg.selection,
@@ -395,7 +396,7 @@ class ExpertParallelFunction(torch.autograd.Function):
             row_sorted_M, order_M = torch.sort(row_M)  # (local expert, source) order
             kept_per_expert = [sum(shares_host[s][rank * el + le] for s in range(world))
                                for le in range(el)]
-            kept_offsets_L = _h2d(kept_per_expert, torch.int64, dev).cumsum(0).to(torch.int32)
+            kept_offsets_L = _h2d(list(accumulate(kept_per_expert)), torch.int32, dev)
             row32 = row_sorted_M.to(torch.int32)
             G_MH = ops.gather_rows(G_recv_MH, order_M.to(torch.int32), None, 1)
             h_M2I = ops.gather_rows(h_N2I, row32, None, 1)
@@ -450,6 +451,7 @@ def allreduce_non_expert_grads(module: nn.Module, group=None,
     """
     world = dist.get_world_size(group)
     open_bucket: Dict[torch.dtype, List[Tensor]] = {}
+    open_bytes: Dict[torch.dtype, int] = {}
     full: List[List[Tensor]] = []
     for p in module.parameters():
         if not p.requires_grad:
@@ -460,10 +462,12 @@ def allreduce_non_expert_grads(module: nn.Module, group=None,
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        bucket = open_bucket.setdefault(p.grad.dtype, [])
-        bucket.append(p.grad)
-        if sum(g.numel() for g in bucket) * p.grad.element_size() >= bucket_bytes:
-            full.append(open_bucket.pop(p.grad.dtype))
+        dt = p.grad.dtype
+        open_bucket.setdefault(dt, []).append(p.grad)
+        open_bytes[dt] = open_bytes.get(dt, 0) + p.grad.numel() * p.grad.element_size()
+        if open_bytes[dt] >= bucket_bytes:
+            full.append(open_bucket.pop(dt))
+            open_bytes[dt] = 0
     for grads in full + list(open_bucket.values()):
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)

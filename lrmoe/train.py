@@ -1017,6 +1017,7 @@ class Trainer:
                     / ckpt.name
         self.step_callback = step_callback
         self.stop_requested = False
+        self._stop_all = False  # expert parallel: some rank asked to stop (agreed)
         self.step = 0
         self.last_checkpoint: Optional[Path] = None
         self._last_saved_step = -1
@@ -1308,14 +1309,10 @@ class Trainer:
     def _stop_agreed(self) -> bool:
         """Whether to stop now. Under expert parallelism every rank must stop after the
         same step (a rank that stopped alone would leave the others waiting in the next
-        step's all-to-all, and the shards of the last checkpoint would not match): the
-        ranks' flags are max-reduced, a stop on any rank stops all. A collective."""
-        if self.ep_group is not None:
-            flag = torch.tensor([float(self.stop_requested)], device=self.device)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX,
-                                         group=self.ep_group)
-            self.stop_requested = bool(flag.item())
-        return self.stop_requested
+        step's all-to-all, and the shards of the last checkpoint would not match): each
+        step's loss all-reduce carries the ranks' stop flags (:meth:`_train_step`), so a
+        stop on any rank stops all after the same step at no extra collective."""
+        return self._stop_all if self.ep_group is not None else self.stop_requested
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         self.request_stop()
@@ -1361,10 +1358,14 @@ class Trainer:
             # loss = mean of the ranks' losses: average dense grads, scale expert grads
             parallel.allreduce_non_expert_grads(self.model, self.ep_group)
             grad_norm = parallel.clip_grad_norm_(self.model, max_norm, self.ep_group)
-            totals = torch.stack([nll_total.detach().float(),
-                                  torch.tensor(float(num_loss), device=self.device)])
+            # token count and stop flags ride along with the loss (one sync for both)
+            totals = torch.cat([nll_total.detach().float().reshape(1), torch.tensor(
+                [float(num_loss), float(self.stop_requested)], device=self.device)])
             torch.distributed.all_reduce(totals, group=self.ep_group)
-            nll_total, num_loss = totals[0], int(totals[1])
+            nll_total = totals[0]
+            num_loss, stops = (int(v) for v in totals[1:].tolist())
+            if stops:
+                self._stop_all = self.stop_requested = True
             denom = max(num_loss, 1)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from typing import List, Optional
@@ -55,8 +56,6 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
         ValueError: ``--tokens`` below 1, ``--tokens`` together with ``--smoke`` (which
             fixes 256), or several torchrun processes without ``--ep``.
     """
-    import os
-
     if min(args.tokens) < 1:
         raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
     if args.smoke and list(args.tokens) != list(DEFAULT_TOKENS):

@@ -432,8 +432,14 @@ def _torchrun(args, cwd, nproc=2, timeout=120, subcommand=("train",), wait=True)
                           timeout=timeout)
 
 
-def test_lrmoe_train_ep2_resume_and_ep_size_check(tmp_path):
+def _train_records(run, *keys):
+    """(key values) of each train line of a run's metrics.jsonl."""
     import json
+    return [tuple(x[k] for k in keys) for x in map(
+        json.loads, (run / "metrics.jsonl").read_text().splitlines()) if x["kind"] == "train"]
+
+
+def test_lrmoe_train_ep2_resume_and_ep_size_check(tmp_path):
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).parent))
@@ -451,9 +457,7 @@ def test_lrmoe_train_ep2_resume_and_ep_size_check(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
 
     def losses(run):
-        return [(x["step"], x["loss"], x["grad_norm"]) for x in map(
-            json.loads, (run / "metrics.jsonl").read_text().splitlines())
-            if x["kind"] == "train"]
+        return _train_records(run, "step", "loss", "grad_norm")
     a, b = losses(straight), losses(resumed)
     assert [s for s, _, _ in a] == [1, 2, 3, 4] and a == b, (a, b)
     # rank 1 trained its own expert shard: half the experts in its checkpoint
@@ -471,7 +475,6 @@ def test_torchrun_ep1_runs_expert_parallel_with_ordinary_checkpoints(tmp_path):
     """torchrun with one process runs the EP layer over a group of one; its checkpoint is
     a plain transformers one (resumable without torchrun); a world size other than --ep
     is refused."""
-    import json
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).parent))
@@ -490,9 +493,7 @@ def test_torchrun_ep1_runs_expert_parallel_with_ordinary_checkpoints(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
 
     def losses(run):
-        return [(x["step"], x["loss"]) for x in map(
-            json.loads, (run / "metrics.jsonl").read_text().splitlines())
-            if x["kind"] == "train"]
+        return _train_records(run, "step", "loss")
     a, b = losses(straight), losses(resumed)
     assert [s for s, _ in a] == [1, 2, 3, 4]
     torch.testing.assert_close(b, a, rtol=1e-5, atol=0)
