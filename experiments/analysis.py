@@ -1,0 +1,124 @@
+"""What the recipes compute from a grid's ``results.json`` (see ``experiments/grid.py``).
+
+Definitions (docs/experiments.md states them with the results):
+
+* **final perplexity** of a run: the mean validation perplexity of its last ``last_evals``
+  evaluations (the paper averages the perplexity of its last 1,000 of 10,000 steps; we
+  evaluate every ``eval_every`` steps, so the last evaluations play that part).
+* **dPPL** of a run against its baseline (c = 0, same seed): ``final_ppl / final_ppl_0 - 1``
+  (relative; x100 for percent), and the absolute difference ``final_ppl - final_ppl_0``.
+* **time to a target validation loss**: the first evaluation step whose ``val_loss`` is
+  at or below the target; the wall time is the sum of the training steps' ``time_s`` up to
+  it (evaluation excluded) and the MoE time the sum of their ``moe_time_ms`` (the forward
+  and backward of the MoE layers only, when the run logged it).
+* mean and spread over seeds: the sample mean and the sample standard deviation
+  (``statistics.stdev``; 0 for one seed).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+
+def final_ppl(record: Mapping[str, Any], last_evals: int = 3) -> Optional[float]:
+    """Mean validation perplexity over the last ``last_evals`` evaluations (None if none).
+
+    Raises:
+        ValueError: ``last_evals < 1``.
+    """
+    if last_evals < 1:
+        raise ValueError(f"last_evals must be >= 1, got {last_evals}")
+    evals = record.get("evals") or []
+    if not evals:
+        return None
+    return statistics.fmean(e["val_ppl"] for e in evals[-last_evals:])
+
+
+def dppl(record: Mapping[str, Any], baseline: Mapping[str, Any], last_evals: int = 3
+         ) -> Optional[Tuple[float, float]]:
+    """(relative dPPL, absolute dPPL) of ``record`` against ``baseline``; None if either
+    run has no evaluation."""
+    p, p0 = final_ppl(record, last_evals), final_ppl(baseline, last_evals)
+    if p is None or p0 is None:
+        return None
+    return p / p0 - 1.0, p - p0
+
+
+def time_to_loss(record: Mapping[str, Any], target: float) -> Optional[Dict[str, float]]:
+    """Steps, wall seconds and MoE-layer seconds until the validation loss reaches
+    ``target`` (None if it never does).
+
+    Returns:
+        ``{"step", "wall_s", "moe_s"}``; ``moe_s`` is NaN when the run did not log
+        ``moe_time_ms``.
+    """
+    hit = next((e for e in record.get("evals") or [] if e["val_loss"] <= target), None)
+    if hit is None:
+        return None
+    train = [r for r in record.get("train") or [] if r["step"] <= hit["step"]]
+    moe = [r.get("moe_time_ms") for r in train]
+    moe_s = (sum(moe) / 1e3 if train and all(m is not None for m in moe) else math.nan)
+    return {"step": hit["step"], "wall_s": sum(r.get("time_s", 0.0) for r in train),
+            "moe_s": moe_s}
+
+
+def mean_spread(values: Iterable[float]) -> Tuple[float, float, int]:
+    """(mean, sample standard deviation, n) of the finite values; (nan, nan, 0) if none."""
+    v = [float(x) for x in values if x is not None and math.isfinite(x)]
+    if not v:
+        return math.nan, math.nan, 0
+    return statistics.fmean(v), (statistics.stdev(v) if len(v) > 1 else 0.0), len(v)
+
+
+def group(records: Sequence[Mapping[str, Any]], keys: Sequence[str]
+          ) -> Dict[Tuple, List[Mapping[str, Any]]]:
+    """Records grouped by the values of ``labels[k]`` for ``k`` in ``keys`` (insertion
+    order kept)."""
+    out: Dict[Tuple, List[Mapping[str, Any]]] = defaultdict(list)
+    for r in records:
+        out[tuple(r["labels"].get(k) for k in keys)].append(r)
+    return dict(out)
+
+
+def dppl_table(records: Sequence[Mapping[str, Any]], keys: Sequence[str],
+               is_baseline: Callable[[Mapping[str, Any]], bool], last_evals: int = 3
+               ) -> List[Dict[str, Any]]:
+    """dPPL of every non-baseline setting, mean and spread over seeds.
+
+    Each run is compared with the baseline run of the same ``labels["seed"]``.
+
+    Returns:
+        One row per setting (``keys`` values): ``{**setting, "ppl", "ppl_sd",
+        "dppl_pct", "dppl_pct_sd", "dppl_abs", "dppl_abs_sd", "seeds"}``, plus one row
+        for the baseline itself (dPPL 0 by definition).
+    """
+    base = {r["labels"].get("seed"): r for r in records if is_baseline(r)}
+    rows = []
+    for setting, runs in group(records, keys).items():
+        rel, ab, ppl = [], [], []
+        for r in runs:
+            ppl.append(final_ppl(r, last_evals))
+            b = base.get(r["labels"].get("seed"))
+            d = dppl(r, b, last_evals) if b is not None else None
+            if d is not None:
+                rel.append(100.0 * d[0])
+                ab.append(d[1])
+        m, sd, n = mean_spread(ppl)
+        mr, sr, _ = mean_spread(rel)
+        ma, sa, _ = mean_spread(ab)
+        rows.append({**dict(zip(keys, setting)), "ppl": m, "ppl_sd": sd, "dppl_pct": mr,
+                     "dppl_pct_sd": sr, "dppl_abs": ma, "dppl_abs_sd": sa, "seeds": n})
+    return rows
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
+    """A markdown table of ``rows`` (floats to 4 significant digits)."""
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return "-" if not math.isfinite(v) else f"{v:.4g}"
+        return str(v)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)

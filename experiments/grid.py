@@ -1,0 +1,194 @@
+"""The common runner of the experiment recipes: a grid of ``lrmoe train`` runs.
+
+A grid is a list of :class:`Cell` s, each one ``lrmoe train`` run with its own flags in its
+own run directory ``<root>/<cell.name>/``. :func:`run_grid` runs the cells one after the
+other, in a subprocess each (``python -m lrmoe train ...``), and is safe to interrupt and
+re-run:
+
+* a cell whose ``summary.json`` says it reached its steps is skipped (its numbers are
+  kept, never recomputed);
+* a cell that has a checkpoint continues from it (``--resume``; exact on the CPU, see
+  README "Stopping and resuming");
+* a cell that failed or was killed before its first checkpoint starts over
+  (``--overwrite``), its old log kept beside the new one;
+* a cell that fails does not stop the grid: the failure is recorded and the next cell runs;
+  the exit status of the runner is non-zero when any cell failed.
+
+Ctrl-C stops the running cell the way ``lrmoe train`` stops (it finishes the step and saves
+a checkpoint), then the runner; running the same command again continues.
+
+:func:`collect` reads every cell's ``metrics.jsonl`` and ``summary.json`` into one results
+file ``<root>/results.json`` that the recipes analyse and plot.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+RESULTS_FILE = "results.json"
+LOG_DIR = "logs"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One run of a grid.
+
+    Attributes:
+        name: directory name of the run under the grid root (letters, digits, ``-_.=``).
+        args: extra ``lrmoe train`` arguments of this cell, e.g. ``("-c", "0.2",
+            "--metric", "lrm", "--set", "seed=1")``.
+        labels: what the recipes group and plot by, e.g. ``{"rate": 0.2, "seed": 1}``.
+    """
+
+    name: str
+    args: Sequence[str]
+    labels: Mapping[str, Any]
+
+    def __post_init__(self) -> None:
+        bad = [ch for ch in self.name if not (ch.isalnum() or ch in "-_.=")]
+        if not self.name or bad:
+            raise ValueError(f"Cell.name {self.name!r} must be a non-empty directory name of "
+                             "letters, digits and -_.= only")
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_metrics(run_dir: Path) -> List[dict]:
+    """The records of ``run_dir/metrics.jsonl`` (a torn last line is ignored)."""
+    out: List[dict] = []
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            break
+    return out
+
+
+def cell_state(run_dir: Path, steps: int) -> str:
+    """``done`` (summary at >= ``steps``), ``resume`` (has a checkpoint) or ``fresh``."""
+    summary = _read_json(run_dir / "summary.json")
+    if summary is not None and summary.get("steps", 0) >= steps \
+            and not summary.get("interrupted"):
+        return "done"
+    ckpts = run_dir / "checkpoints"
+    if ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir()):
+        return "resume"
+    return "fresh"
+
+
+def _run(cmd: List[str], log_path: Path) -> int:
+    """Run ``cmd``, its output appended to ``log_path`` and echoed; SIGINT is passed on to
+    the child (which saves a checkpoint) and then raised here."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a") as log:
+        log.write(f"$ {' '.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, bufsize=1)
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                log.write(line)
+                sys.stdout.write(line)
+            return proc.wait()
+        except KeyboardInterrupt:
+            proc.send_signal(signal.SIGINT)
+            proc.wait()
+            raise
+
+
+def run_grid(cells: Sequence[Cell], root: str | os.PathLike, base_args: Sequence[str],
+             steps: int, *, python: str = sys.executable) -> Dict[str, str]:
+    """Run every cell of the grid that has not finished (see the module docstring).
+
+    Args:
+        cells: the grid; names must be unique.
+        root: grid directory; cell ``c`` runs in ``root/c.name``, logs go to
+            ``root/logs/c.name.log``.
+        base_args: ``lrmoe train`` arguments shared by every cell (preset, device, ...).
+        steps: optimizer steps of every cell (``--steps``).
+        python: the interpreter that runs ``-m lrmoe train``.
+
+    Returns:
+        ``{cell name: "done" | "skipped" | "failed (exit N)"}``.
+
+    Raises:
+        ValueError: duplicate cell names or ``steps < 1``.
+        KeyboardInterrupt: Ctrl-C (the running cell has saved a checkpoint).
+    """
+    names = [c.name for c in cells]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"cells must have unique names; repeated: {dup}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    status: Dict[str, str] = {}
+    for i, cell in enumerate(cells):
+        run_dir = root / cell.name
+        state = cell_state(run_dir, steps)
+        if state == "done":
+            status[cell.name] = "skipped"
+            continue
+        cmd = [python, "-m", "lrmoe", "train", *base_args, *cell.args,
+               "--steps", str(steps), "--out", str(run_dir)]
+        if state == "resume":
+            cmd += ["--resume", str(run_dir)]
+        elif run_dir.exists():
+            cmd += ["--overwrite"]
+        print(f"[grid] cell {i + 1}/{len(cells)} {cell.name}: {state}", flush=True)
+        t0 = time.time()
+        rc = _run(cmd, root / LOG_DIR / f"{cell.name}.log")
+        status[cell.name] = "done" if rc == 0 else f"failed (exit {rc})"
+        print(f"[grid] cell {cell.name}: {status[cell.name]} in {time.time() - t0:.0f} s",
+              flush=True)
+    return status
+
+
+def collect(cells: Sequence[Cell], root: str | os.PathLike) -> List[dict]:
+    """One record per cell: its labels, its summary, its eval curve and train records.
+
+    Writes ``root/results.json`` (a list of the records) atomically and returns it. Cells
+    without a summary (not run, failed) have ``summary: None``.
+
+    Record keys: ``name``, ``labels``, ``summary`` (``summary.json``), ``evals`` (list of
+    ``{step, val_loss, val_ppl}``), ``train`` (list of ``{step, loss, time_s,
+    tokens_per_s, moe_time_ms?, dropped_fraction, retained_mass}``).
+    """
+    root = Path(root)
+    out = []
+    keep = ("step", "loss", "time_s", "tokens_per_s", "moe_time_ms", "dropped_fraction",
+            "retained_mass")
+    for cell in cells:
+        run_dir = root / cell.name
+        records = read_metrics(run_dir)
+        out.append({
+            "name": cell.name,
+            "labels": dict(cell.labels),
+            "summary": _read_json(run_dir / "summary.json"),
+            "evals": [{k: r[k] for k in ("step", "val_loss", "val_ppl")}
+                      for r in records if r.get("kind") == "eval"],
+            "train": [{k: r[k] for k in keep if k in r}
+                      for r in records if r.get("kind") == "train"],
+        })
+    tmp = root / (RESULTS_FILE + ".tmp")
+    tmp.write_text(json.dumps(out, indent=1))
+    os.replace(tmp, root / RESULTS_FILE)
+    return out

@@ -1,0 +1,53 @@
+"""Metric ablation: which pair score loses least (the paper's Table 2).
+
+    python experiments/metric_ablation.py --preset tiny --steps 300 --seeds 0 1 2
+
+Grid: c = 0 once per seed (the baseline), and every metric of ``--metrics`` (lrm, grad_sq,
+grad_abs, random) at every rate of ``--rates`` (default 0.3) per seed. Report: dPPL per
+(metric, rate) against c = 0 of the same seed, mean and spread over seeds, and
+``metric_dppl.png``.
+"""
+from __future__ import annotations
+
+import sys
+
+import analysis
+import plots
+import recipe
+from grid import Cell
+
+RECIPE = "metric_ablation"
+
+
+def cells(args):
+    """c = 0 per seed, then (metric, rate, seed)."""
+    out = [Cell(f"c0-s{s}", ["-c", "0", "--set", f"seed={s}"],
+                {"metric": "none", "rate": 0.0, "seed": s}) for s in args.seeds]
+    out += [Cell(f"{m}-c{c:g}-s{s}", ["-c", f"{c:g}", "--metric", m, "--selection",
+                                      args.selection, "--set", f"seed={s}"],
+                 {"metric": m, "rate": c, "seed": s})
+            for c in args.rates for m in args.metrics for s in args.seeds]
+    return out
+
+
+def analyse(records, out, args) -> str:
+    rows = analysis.dppl_table(records, ["metric", "rate"],
+                               lambda r: r["labels"]["rate"] == 0, args.last_evals)
+    rows = [r for r in rows if r["rate"] != 0]
+    plots.bars(rows, lambda r: f"{r['metric']} c={r['rate']:g}", "dppl_pct",
+               "dppl_pct_sd", out / "metric_dppl.png", ylabel="dPPL vs c = 0 (%)",
+               title=f"{args.preset}: dPPL per metric ({args.selection})")
+    return ("## Metric ablation\n\n" + analysis.markdown_table(
+        rows, ["metric", "rate", "ppl", "ppl_sd", "dppl_pct", "dppl_pct_sd", "dppl_abs",
+               "seeds"]) + "\n\n![dPPL per metric](metric_dppl.png)")
+
+
+if __name__ == "__main__":
+    p = recipe.parser(RECIPE, __doc__)
+    p.add_argument("--metrics", nargs="+", default=["lrm", "grad_sq", "grad_abs", "random"])
+    p.add_argument("--rates", type=float, nargs="+", default=[0.3])
+    p.add_argument("--selection", default="topk")
+    a = p.parse_args()
+    if any(c <= 0 for c in a.rates):
+        p.error("--rates are the dropping rates to compare (> 0); c = 0 always runs")
+    sys.exit(recipe.main(RECIPE, a, cells(a), analyse))

@@ -1,0 +1,88 @@
+"""The command line every recipe shares: run the grid, collect, analyse, report.
+
+``python experiments/<recipe>.py [--preset tiny] [--steps 300] [--seeds 0 1 2]
+[--device auto] [--out DIR] [--set KEY=VALUE ...] [--analyse-only]``
+
+The grid runs under ``--out`` (default ``runs/experiments/<recipe>-<preset>``); re-running
+the same command skips finished cells and resumes interrupted ones (``experiments/grid.py``).
+The report (``report.md``, PNGs, ``results.json``) is written next to the runs; the command
+line that made it is its first line.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence
+
+import grid as _grid  # experiments/ is on sys.path when a recipe runs as a script
+
+Analyse = Callable[[List[dict], Path, argparse.Namespace], str]
+
+
+def parser(recipe: str, description: str) -> argparse.ArgumentParser:
+    """The shared options; a recipe adds its own (``--rates``, ``--metrics``...)."""
+    p = argparse.ArgumentParser(prog=f"experiments/{recipe}.py", description=description)
+    p.add_argument("--preset", default="tiny", help="lrmoe train preset (tiny, gpu-small)")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps of every run")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                   help="seeds (each cell runs once per seed)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="validation cadence in steps (default: the preset's)")
+    p.add_argument("--last-evals", type=int, default=3,
+                   help="evaluations averaged into a run's final perplexity")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="passed to every run as lrmoe train --set KEY=VALUE")
+    p.add_argument("--out", default=None, help="grid directory")
+    p.add_argument("--analyse-only", action="store_true",
+                   help="do not run anything: analyse the runs already in --out")
+    p.add_argument("--dry-run", action="store_true", help="print the cells and exit")
+    return p
+
+
+def base_args(args: argparse.Namespace) -> List[str]:
+    """``lrmoe train`` arguments shared by every cell of the grid."""
+    out = ["--preset", args.preset, "--device", args.device, "--set", "progress=lines"]
+    if args.eval_every is not None:
+        out += ["--set", f"eval_every={args.eval_every}"]
+    for s in args.sets:
+        out += ["--set", s]
+    return out
+
+
+def main(recipe: str, args: argparse.Namespace, cells: Sequence[_grid.Cell],
+         analyse: Analyse, argv: Optional[Sequence[str]] = None) -> int:
+    """Run ``cells`` (unless ``--analyse-only``), collect and analyse; returns the exit
+    status (1 when a cell failed, 0 otherwise).
+
+    Raises:
+        ValueError: ``--steps`` < 1, no seeds, or ``--last-evals`` < 1 (named).
+    """
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if not args.seeds:
+        raise ValueError("--seeds needs at least one seed")
+    if args.last_evals < 1:
+        raise ValueError(f"--last-evals must be >= 1, got {args.last_evals}")
+    out = Path(args.out or f"runs/experiments/{recipe}-{args.preset}")
+    if args.dry_run:
+        for c in cells:
+            print(c.name, " ".join(c.args))
+        return 0
+    status = {}
+    if not args.analyse_only:
+        status = _grid.run_grid(cells, out, base_args(args), args.steps)
+    records = _grid.collect(cells, out)
+    command = "python " + " ".join(shlex.quote(a) for a in
+                                   [f"experiments/{recipe}.py", *(argv or sys.argv[1:])])
+    body = analyse(records, out, args)
+    (out / "report.md").write_text(f"Command: `{command}`\n\n{body}\n")
+    print(body)
+    failed = {k: v for k, v in status.items() if v.startswith("failed")}
+    if failed:
+        print(f"[grid] failed cells (logs in {out / _grid.LOG_DIR}): {failed}",
+              file=sys.stderr)
+        return 1
+    return 0

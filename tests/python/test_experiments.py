@@ -1,0 +1,152 @@
+"""experiments/: the grid runner (skip, resume, restart, failure) and the analysis formulas.
+
+The runner is driven with a stand-in interpreter that plays ``python -m lrmoe train`` (it
+writes the files a run writes), so the orchestration is checked without training; the
+formulas are checked against values computed by hand.
+"""
+import json
+import math
+import os
+import stat
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import analysis  # noqa: E402
+import grid  # noqa: E402
+
+# plays `python -m lrmoe train ... --steps N --out DIR [--resume DIR] [--overwrite]`:
+# appends its argv to DIR/../calls.jsonl; FAIL=name in the env makes that cell fail
+# after its first checkpoint; otherwise writes metrics, a checkpoint and a summary.
+FAKE = textwrap.dedent("""\
+    #!{python}
+    import json, os, sys
+    argv = sys.argv[1:]
+    out = argv[argv.index("--out") + 1]
+    steps = int(argv[argv.index("--steps") + 1])
+    name = os.path.basename(out)
+    with open(os.path.join(os.path.dirname(out), "calls.jsonl"), "a") as f:
+        f.write(json.dumps({{"name": name, "argv": argv}}) + "\\n")
+    os.makedirs(os.path.join(out, "checkpoints", "step-00000001"), exist_ok=True)
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        for s in range(1, steps + 1):
+            f.write(json.dumps({{"kind": "train", "step": s, "loss": 1.0, "time_s": 0.5,
+                                 "moe_time_ms": 100.0}}) + "\\n")
+        f.write(json.dumps({{"kind": "eval", "step": steps, "val_loss": 1.0,
+                             "val_ppl": 2.718}}) + "\\n")
+    if os.environ.get("FAIL") == name:
+        sys.exit(3)
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump({{"steps": steps}}, f)
+""")
+
+
+@pytest.fixture
+def fake_python(tmp_path):
+    path = tmp_path / "fake-python"
+    path.write_text(FAKE.format(python=sys.executable))
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def _calls(root):
+    return [json.loads(l) for l in (root / "calls.jsonl").read_text().splitlines()]
+
+
+def test_grid_runs_skips_resumes_and_records_failures(tmp_path, fake_python, monkeypatch,
+                                                      capsys):
+    root = tmp_path / "grid"
+    cells = [grid.Cell("a", ["-c", "0"], {"rate": 0.0, "seed": 0}),
+             grid.Cell("b", ["-c", "0.2"], {"rate": 0.2, "seed": 0})]
+    monkeypatch.setenv("FAIL", "b")
+    status = grid.run_grid(cells, root, ["--preset", "tiny"], 4, python=fake_python)
+    assert status == {"a": "done", "b": "failed (exit 3)"}
+    first = _calls(root)
+    assert [c["name"] for c in first] == ["a", "b"]
+    assert first[0]["argv"][:7] == ["-m", "lrmoe", "train", "--preset", "tiny", "-c", "0"]
+    assert "--resume" not in first[1]["argv"] and "--overwrite" not in first[1]["argv"]
+    assert (root / "logs" / "b.log").is_file()
+
+    # second run: a is finished (skipped), b has a checkpoint (resumed)
+    monkeypatch.delenv("FAIL")
+    status = grid.run_grid(cells, root, ["--preset", "tiny"], 4, python=fake_python)
+    assert status == {"a": "skipped", "b": "done"}
+    second = _calls(root)[len(first):]
+    assert [c["name"] for c in second] == ["b"]
+    argv = second[0]["argv"]
+    assert argv[argv.index("--resume") + 1] == str(root / "b")
+
+    # more steps: both continue from their checkpoints
+    status = grid.run_grid(cells, root, ["--preset", "tiny"], 6, python=fake_python)
+    assert status == {"a": "done", "b": "done"}
+
+    # a run directory without a checkpoint (killed during set-up) starts over
+    (root / "c").mkdir()
+    (root / "c" / "metrics.jsonl").write_text("")
+    status = grid.run_grid([grid.Cell("c", [], {})], root, [], 2, python=fake_python)
+    assert status == {"c": "done"}
+    assert "--overwrite" in _calls(root)[-1]["argv"]
+
+    records = grid.collect(cells, root)
+    assert json.loads((root / "results.json").read_text()) == records
+    assert [r["name"] for r in records] == ["a", "b"]
+    assert records[0]["summary"] == {"steps": 6}
+    assert records[1]["labels"] == {"rate": 0.2, "seed": 0}
+    assert len(records[0]["train"]) == 6 and records[0]["evals"][0]["val_ppl"] == 2.718
+
+
+def test_grid_refuses_bad_cells(tmp_path):
+    with pytest.raises(ValueError, match="Cell.name"):
+        grid.Cell("a/b", [], {})
+    cells = [grid.Cell("a", [], {}), grid.Cell("a", [], {})]
+    with pytest.raises(ValueError, match="unique"):
+        grid.run_grid(cells, tmp_path, [], 3)
+    with pytest.raises(ValueError, match="steps"):
+        grid.run_grid(cells[:1], tmp_path, [], 0)
+
+
+def _rec(seed, ppls, losses=None, labels=None, train=None):
+    evals = [{"step": 10 * (i + 1), "val_ppl": p,
+              "val_loss": (losses[i] if losses else math.log(p))} for i, p in enumerate(ppls)]
+    return {"labels": {"seed": seed, **(labels or {})}, "evals": evals,
+            "train": train or []}
+
+
+def test_final_ppl_and_dppl_by_hand():
+    base = _rec(0, [50.0, 12.0, 10.0, 11.0])
+    run = _rec(0, [60.0, 13.0, 11.0, 11.5])
+    # last 3 evaluations: (12 + 10 + 11) / 3 = 11 and (13 + 11 + 11.5) / 3 = 11.8333...
+    assert analysis.final_ppl(base, 3) == pytest.approx(11.0)
+    rel, ab = analysis.dppl(run, base, 3)
+    assert ab == pytest.approx(35.5 / 3 - 11.0)
+    assert rel == pytest.approx((35.5 / 3) / 11.0 - 1.0)
+    assert analysis.final_ppl({"evals": []}) is None
+    with pytest.raises(ValueError, match="last_evals"):
+        analysis.final_ppl(base, 0)
+
+
+def test_dppl_table_pairs_each_run_with_its_seed():
+    recs = [_rec(0, [10.0], labels={"rate": 0.0}), _rec(1, [20.0], labels={"rate": 0.0}),
+            _rec(0, [11.0], labels={"rate": 0.3}), _rec(1, [23.0], labels={"rate": 0.3})]
+    rows = analysis.dppl_table(recs, ["rate"], lambda r: r["labels"]["rate"] == 0, 1)
+    row = next(r for r in rows if r["rate"] == 0.3)
+    # seed 0: +10 %, seed 1: +15 % -> mean 12.5 %, sample sd = 5 / sqrt(2)
+    assert row["dppl_pct"] == pytest.approx(12.5)
+    assert row["dppl_pct_sd"] == pytest.approx(5 / math.sqrt(2))
+    assert row["dppl_abs"] == pytest.approx(2.0) and row["seeds"] == 2
+    assert next(r for r in rows if r["rate"] == 0.0)["dppl_pct"] == pytest.approx(0.0)
+
+
+def test_time_to_loss_by_hand():
+    train = [{"step": s, "time_s": 0.5, "moe_time_ms": 200.0} for s in range(1, 41)]
+    rec = _rec(0, [9.0, 8.0, 7.0, 6.0], losses=[3.0, 2.6, 2.4, 2.0], train=train)
+    hit = analysis.time_to_loss(rec, 2.5)      # first eval at or below 2.5: step 30
+    assert hit == {"step": 30, "wall_s": pytest.approx(15.0), "moe_s": pytest.approx(6.0)}
+    assert analysis.time_to_loss(rec, 1.0) is None
+    rec["train"] = [{"step": s, "time_s": 1.0} for s in range(1, 41)]
+    assert math.isnan(analysis.time_to_loss(rec, 2.5)["moe_s"])
