@@ -5,8 +5,7 @@ Legend: T tokens, H hidden size, E experts, K top_k, I expert intermediate size.
 ``patch_moe_blocks(model, ...)`` replaces every sparse-MoE block of a Hugging Face
 transformers model by a :class:`TransformersMoELayer` -- an LRMoE layer (the same
 :class:`lrmoe.layer.MoECore` as :class:`lrmoe.LRMoELayer`) that holds the block's own
-submodules (the very same ``nn.Parameter`` objects under the
-very same names), so ``save_pretrained`` / ``from_pretrained`` checkpoints load and save
+submodules (the very same ``nn.Parameter`` objects under the very same names), so ``save_pretrained`` / ``from_pretrained`` checkpoints load and save
 unchanged and an optimizer built before or after patching sees the same tensors.
 
 Mapped families (the block classes of transformers 5.17.0):
@@ -137,10 +136,19 @@ class TransformersMoELayer(MoELayerBase):
     :class:`lrmoe.LRMoELayer` (expert function, EP sharding and failure announcement,
     shared-expert add, stats).
 
+    The forward is :meth:`lrmoe.layer.MoELayerBase.forward`, with these differences: the
+    output has the input's dtype like the transformers block (under autocast the experts
+    run in the autocast dtype and their sum is cast back); ``expert_ids`` raises
+    ``NotImplementedError`` (the transformers router always chooses the experts);
+    ``token_mask`` only reaches ``layer.aux_loss`` of direct calls (transformers calls the
+    block without one; the model's own ``outputs.aux_loss`` takes its ``attention_mask``).
+    :meth:`set_recalibration` takes the seed as given (the module function
+    :func:`set_recalibration` adds the layer offset).
+
     Args:
-        block: the transformers block (one of the mapped families); it is not modified
-            (under EP its ``experts`` module, shared with this layer, keeps only this
-            rank's shard).
+        block: the transformers block (one of the mapped families); its modules are taken
+            over, not copied (under EP its ``experts`` module then holds only this rank's
+            shard).
         family: its :class:`_Family`.
         config: :class:`LRMoEConfig` describing the block and the planned backward.
         layer_index: position among the model's MoE blocks (0-based); offsets the seed.
@@ -183,42 +191,6 @@ class TransformersMoELayer(MoELayerBase):
         # else stay whole (data parallel)
         self.core = MoECore(config, self.experts, ep_group,
                             where=f"{self.model_type} layer {layer_index}")
-
-    def set_recalibration(self, **changes) -> None:
-        """Change planned-backward settings (e.g. ``recalibration_rate=0.2``) in place.
-
-        The seed is taken as given (:func:`set_recalibration` adds the layer offset).
-
-        Raises:
-            ValueError: an invalid value, naming the field.
-        """
-        super().set_recalibration(**changes)
-
-    def forward(self, hidden_states: Tensor, expert_ids: Optional[Tensor] = None,
-                token_mask: Optional[Tensor] = None) -> Tensor:
-        """Apply the block: its router, LRMoE routed experts, its shared expert(s).
-
-        Args:
-            hidden_states: (..., H) float tensor of the weights' dtype (fp32, bf16, fp16,
-                fp64), or any float dtype under ``torch.autocast``.
-            expert_ids: must be None (forced routing is not available for transformers
-                routers).
-            token_mask: optional, as in :meth:`lrmoe.layer.MoELayerBase.forward` (only
-                ``layer.aux_loss`` uses it; transformers calls the block without one, and
-                the model's own ``outputs.aux_loss`` takes its ``attention_mask``).
-
-        Returns:
-            (..., H) tensor of the input's dtype, like the transformers block (under
-            autocast the experts run in the autocast dtype and the sum is cast back).
-
-        Raises:
-            ValueError: as :meth:`lrmoe.LRMoELayer.forward` (wrong width, device, dtype,
-                non-finite router logits).
-            NotImplementedError: ``expert_ids`` given.
-            RuntimeError: expert parallel, as :meth:`lrmoe.LRMoELayer.forward` (every
-                rank raises when one fails before the dispatch).
-        """
-        return super().forward(hidden_states, expert_ids, token_mask)
 
     def _route(self, x_TH: Tensor, expert_ids: Optional[Tensor]) -> Tuple[Tensor, Routing]:
         if expert_ids is not None:
