@@ -1,23 +1,29 @@
-"""Routed SwiGLU experts: exact forward, planned (selective) backward.
+"""Routed SwiGLU experts: exact forward, planned (selective) backward -- the one expert core.
 
 Legend: T tokens, K top_k, P = T*K routed pairs, E experts, H hidden size, I expert
-intermediate size, R = floor((1 - c) P) retained pairs. Rows are pairs in expert-sorted
-order (``lrmoe.ops.permute``).
+intermediate size, R = floor((1 - c) P) retained pairs, N rows an expert core computes
+(P on one device; the rows this rank's experts received under expert parallelism).
+Rows are pairs in expert-sorted order (``lrmoe.ops.permute``).
 
 Forward (every pair, exact):  x_PH = x[token of row] -> h_P2I = x_PH W_gate_up[e]^T ->
 phi_PI, phi_sq_P = swiglu(h) -> y_PH = phi W_down[e]^T -> o_T = sum_k alpha y.
 
-Backward (DESIGN.md section 1): dalpha = <g_t, y_u> for every pair (exact router
-gradient); quota Q_E from the routed loads; score every pair; keep the best Q_e of each
-expert; gather only the kept rows into R-row buffers (G = alpha g, X; the kept rows of h
-are read in place through their indices by the SwiGLU kernels), then grouped
-GEMMs dphi = G W_down, dW_down = G^T phi, swiglu backward, dW_gate_up = dH^T X,
+Backward (docs/algorithm.md sections 2-6): dalpha = <g_t, y_u> for every pair (exact
+router gradient); quota Q_E from the routed loads; score every pair; keep the best Q_e of
+each expert; gather only the kept rows into R-row buffers (G = alpha g, X; the kept rows of
+h are read in place through their indices by the SwiGLU kernels), then grouped GEMMs
+dphi = G W_down, dW_down = G^T phi, swiglu backward, dW_gate_up = dH^T X,
 dX = dH W_gate_up, and dx_t = sum of the kept dX rows of token t.
+
+The pieces shared with the expert-parallel path (:mod:`lrmoe.parallel`) live here once:
+:func:`expert_forward` (grouped GEMMs + SwiGLU), :func:`select_pairs` (router gradient,
+score, quota, select, scale) and :func:`expert_backward` (compacted GEMMs over the kept
+rows, h read in place, buffer accounting).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -25,6 +31,15 @@ from torch.profiler import record_function as phase  # names the benchmark's bre
 
 from lrmoe import ops
 from lrmoe.config import LRMoEConfig
+
+
+def dropped_fraction(num_retained: int, num_pairs: int) -> Optional[float]:
+    """The dropped fraction 1 - R / P of routed pairs (docs/algorithm.md section 7).
+
+    The one definition used by :meth:`BackwardStats.summary` and by model-level summaries
+    (sum R and P over layers first, then divide). Returns None for P = 0.
+    """
+    return 1.0 - num_retained / num_pairs if num_pairs else None
 
 
 @dataclass
@@ -39,7 +54,8 @@ class BackwardStats:
         quota_E: (E,) int32 retention quotas Q_e (backward).
         retained_mass: () float32, sum of kept scores / sum of all scores (backward).
         num_pairs: P. num_retained: R (host ints).
-        buffer_bytes: bytes of the backward's expert buffers (all sized by R).
+        buffers: name -> shape of the backward's expert buffers (all sized by R).
+        buffer_bytes: bytes of those buffers.
         kept_pair_R: (R,) int32 pair ids (t*K + k) whose expert backward ran (backward).
         backward_steps: number of backwards run so far (also offsets the seed).
         a2a_bytes: expert parallel only (``lrmoe.parallel``): bytes this rank passed to
@@ -59,15 +75,20 @@ class BackwardStats:
     #: expert parallel only: bytes this rank handed to each all-to-all of the last step
     a2a_bytes: Dict[str, int] = field(default_factory=dict)
 
+    def record_buffers(self, buffers: Dict[str, Tensor]) -> None:
+        """Keep the shapes and the total bytes of the backward's expert buffers."""
+        self.buffers = {k: tuple(v.shape) for k, v in buffers.items()}
+        self.buffer_bytes = sum(v.numel() * v.element_size() for v in buffers.values())
+
     def summary(self) -> Dict[str, object]:
         """Host-side numbers of the last step (synchronises with the device).
 
         Returns:
             dict with ``tokens_per_expert`` and ``quota`` (lists of int), ``dropped_fraction``
-            (1 - R/P), ``retained_mass`` (float), ``load_max_over_mean_before`` (max n_e /
-            mean n_e), ``load_max_over_mean_after`` (max Q_e / mean Q_e), ``num_pairs``,
-            ``num_retained`` and ``backward_buffer_bytes``. Backward entries are None before
-            the first backward.
+            (:func:`dropped_fraction`), ``retained_mass`` (float), ``load_max_over_mean_before``
+            (max n_e / mean n_e), ``load_max_over_mean_after`` (max Q_e / mean Q_e),
+            ``num_pairs``, ``num_retained`` and ``backward_buffer_bytes``. Backward entries
+            are None before the first backward.
         """
         out: Dict[str, object] = {"num_pairs": self.num_pairs}
         n = self.tokens_per_expert_E
@@ -77,8 +98,8 @@ class BackwardStats:
         out["quota"] = None if q is None else q.tolist()
         out["load_max_over_mean_after"] = None if q is None else _max_over_mean(q)
         out["num_retained"] = self.num_retained if q is not None else None
-        out["dropped_fraction"] = (1.0 - self.num_retained / self.num_pairs
-                                   if q is not None and self.num_pairs else None)
+        out["dropped_fraction"] = (dropped_fraction(self.num_retained, self.num_pairs)
+                                   if q is not None else None)
         out["retained_mass"] = (None if self.retained_mass is None
                                 else float(self.retained_mass))
         out["backward_buffer_bytes"] = self.buffer_bytes if q is not None else None
@@ -93,22 +114,145 @@ def _max_over_mean(n_E: Tensor) -> float:
     return float(n.max() / mean) if mean > 0 else 0.0
 
 
-def score_pairs(cfg: LRMoEConfig, stats: BackwardStats, g_TH: Tensor, weights_TK: Tensor,
-                phi_sq_P: Tensor, row_pair_P: Tensor):
-    """Score every pair for selection (``lrmoe.score`` range); shared with EP.
+# ------------------------------------------------------------------------ expert core
+def expert_forward(x_NH: Tensor, w_gate_up_E2IH: Tensor, w_down_EHI: Tensor,
+                   offsets_E: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """Grouped GEMMs + SwiGLU of every row (``lrmoe.expert_gemm_fwd`` range).
+
+    Args:
+        x_NH: (N, H) float expert inputs, rows grouped by expert.
+        w_gate_up_E2IH: (E, 2I, H) and w_down_EHI: (E, H, I), dtype of x (E = the experts
+            this core holds: all of them, or this rank's shard).
+        offsets_E: (E,) int32 inclusive ends of each expert's rows.
 
     Returns:
-        (score_P (P,) float32 in row order, seed of this backward = ``cfg.seed +
-        stats.backward_steps`` (int)).
+        (h_N2I (N, 2I) pre-activations, kept for the backward; phi_sq_N (N,) float32
+        ||phi||^2, the LRM by-product; y_NH (N, H) expert outputs), dtype of x.
     """
-    seed = cfg.seed + stats.backward_steps
-    with phase("lrmoe.score"):
-        return ops.score(g_TH, weights_TK.detach(), phi_sq_P, row_pair_P, cfg.metric,
-                         seed), seed
+    with phase("lrmoe.expert_gemm_fwd"):
+        h_N2I = ops.grouped_mm(x_NH, w_gate_up_E2IH.transpose(1, 2), offsets_E)
+        phi_NI, phi_sq_N = ops.swiglu(h_N2I)
+        y_NH = ops.grouped_mm(phi_NI, w_down_EHI.transpose(1, 2), offsets_E)
+    return h_N2I, phi_sq_N, y_NH
 
 
+def expert_backward(G_RH: Tensor, X_RH: Tensor, h_N2I: Tensor, h_rows_R: Optional[Tensor],
+                    w_gate_up_E2IH: Tensor, w_down_EHI: Tensor, kept_offsets_E: Tensor
+                    ) -> Tuple[Tensor, Tensor, Tensor, Dict[str, Tensor]]:
+    """Compacted expert backward over the R kept rows (``lrmoe.expert_gemm_bwd`` range).
+
+    The kept rows of the saved h are read in place through ``h_rows_R`` by the SwiGLU
+    kernels (the compaction fused into their loads; docs/algorithm.md section 6), never
+    copied.
+
+    Args:
+        G_RH: (R, H) kept pair gradients s * alpha * g, grouped by expert.
+        X_RH: (R, H) the matching expert inputs.
+        h_N2I: (N, 2I) pre-activations saved by :func:`expert_forward`.
+        h_rows_R: (R,) int32 row of h of each kept row, or None when R = N in row order.
+        w_gate_up_E2IH, w_down_EHI: the expert weights, dtype of G.
+        kept_offsets_E: (E,) int32 inclusive ends of each expert's kept rows.
+
+    Returns:
+        (dx_RH (R, H) input gradient of each kept row, dW_gate_up (E, 2I, H),
+        dW_down (E, H, I), buffers: name -> tensor of every R-row buffer, for
+        :meth:`BackwardStats.record_buffers`).
+    """
+    with phase("lrmoe.expert_gemm_bwd"):
+        phi_RI, _ = ops.swiglu(h_N2I, h_rows_R)
+        dphi_RI = ops.grouped_mm(G_RH, w_down_EHI, kept_offsets_E)
+        grad_w_down_EHI = ops.grouped_mm(G_RH.t(), phi_RI, kept_offsets_E)
+        dh_R2I = ops.swiglu_backward(dphi_RI, h_N2I, h_rows_R)
+        grad_w_gate_up_E2IH = ops.grouped_mm(dh_R2I.t(), X_RH, kept_offsets_E)
+        dx_RH = ops.grouped_mm(dh_R2I, w_gate_up_E2IH, kept_offsets_E)
+    buffers = {"G": G_RH, "X": X_RH, "phi": phi_RI, "dphi": dphi_RI, "dh": dh_R2I,
+               "dx": dx_RH}
+    return dx_RH, grad_w_gate_up_E2IH, grad_w_down_EHI, buffers
+
+
+@dataclass(frozen=True)
+class KeptPairs:
+    """The pairs whose expert backward runs, from :func:`select_pairs`.
+
+    Attributes:
+        grad_weights_TK: (T, K) float32 exact router-side gradient <g_t, y_u>.
+        kept_rows_R: (R,) int32 kept rows (ascending, in row order), or None when
+            selection is off (every row kept, R = P).
+        kept_pair_R: (R,) int32 pair id of each kept row.
+        pair_kept_P: (P,) int32 buffer position of each pair, -1 if dropped.
+        kept_offsets_E: (E,) int32 inclusive ends of the kept rows per expert.
+        scale_R: (R,) float32 alpha * kept scale (1, or 1/p under ``importance``).
+        num_retained: R (host int).
+    """
+
+    grad_weights_TK: Tensor
+    kept_rows_R: Optional[Tensor]
+    kept_pair_R: Tensor
+    pair_kept_P: Tensor
+    kept_offsets_E: Tensor
+    scale_R: Tensor
+    num_retained: int
+
+
+#: () -> (quota_E reported in the stats, share_E this caller's rows may keep per expert,
+#: R = sum of the shares): the global quotas and this rank's shares under EP
+Quotas = Callable[[], Tuple[Tensor, Tensor, int]]
+
+
+def select_pairs(cfg: LRMoEConfig, stats: BackwardStats, g_TH: Tensor, weights_TK: Tensor,
+                 y_PH: Tensor, phi_sq_P: Tensor, row_pair_P: Tensor, pair_row_P: Tensor,
+                 offsets_E: Tensor, quotas: Quotas) -> KeptPairs:
+    """The backward's selection preamble: router gradient, score, quota, select, scale.
+
+    Writes ``stats.quota_E``, ``retained_mass``, ``num_retained``, ``kept_pair_R`` and
+    advances ``stats.backward_steps`` (whose value offsets the seed of ``random`` and
+    ``importance``: seed = ``cfg.seed + backward_steps``).
+
+    Args:
+        cfg: the layer config (metric, selection, ``selective_backward``).
+        stats: receives the diagnostics.
+        g_TH: (T, H) gradient at the layer output, dtype of the experts.
+        weights_TK: (T, K) float32 routing weights alpha.
+        y_PH: (P, H) expert outputs in row order; phi_sq_P: (P,) float32 ||phi||^2.
+        row_pair_P, pair_row_P, offsets_E: this caller's permutation (``ops.permute``).
+        quotas: see :data:`Quotas`; called inside the ``lrmoe.select`` range.
+
+    Returns:
+        :class:`KeptPairs`.
+    """
+    top_k = weights_TK.shape[1]
+    with phase("lrmoe.router_grad"):  # exact for every pair: needs no expert backward
+        grad_weights_TK = ops.routing_weight_grad(g_TH, y_PH, pair_row_P, top_k)
+    alpha_P = weights_TK.detach().reshape(-1).float()
+    if cfg.selective_backward:
+        seed = cfg.seed + stats.backward_steps
+        with phase("lrmoe.score"):
+            score_P = ops.score(g_TH, weights_TK.detach(), phi_sq_P, row_pair_P, cfg.metric,
+                                seed)
+        with phase("lrmoe.select"):
+            quota_E, share_E, num_retained = quotas()
+            kept_rows_R, kept_pair_R, pair_kept_P, kept_offsets_E, kept_scale_R, mass = (
+                ops.select(score_P, row_pair_P, offsets_E, share_E, num_retained,
+                           cfg.selection, seed))
+        with phase("lrmoe.compact"):
+            scale_R = alpha_P.index_select(0, kept_pair_R) * kept_scale_R
+    else:
+        quota_E, _, num_retained = quotas()
+        kept_rows_R, kept_pair_R, pair_kept_P, kept_offsets_E = (None, row_pair_P,
+                                                                 pair_row_P, offsets_E)
+        mass = None
+        with phase("lrmoe.compact"):
+            scale_R = alpha_P.index_select(0, row_pair_P)
+    stats.quota_E, stats.retained_mass = quota_E, mass
+    stats.num_retained, stats.kept_pair_R = num_retained, kept_pair_R
+    stats.backward_steps += 1
+    return KeptPairs(grad_weights_TK, kept_rows_R, kept_pair_R, pair_kept_P, kept_offsets_E,
+                     scale_R, num_retained)
+
+
+# --------------------------------------------------------------- single-device autograd
 class ExpertFunction(torch.autograd.Function):
-    """Autograd of the routed experts; see the module docstring for the data flow.
+    """Autograd of the routed experts on one device; see the module docstring.
 
     ``apply(x_TH, weights_TK, expert_ids_TK, w_gate_up_E2IH, w_down_EHI, config, stats)``
 
@@ -133,10 +277,7 @@ class ExpertFunction(torch.autograd.Function):
             row_pair_P, pair_row_P, tokens_per_expert_E, offsets_E = ops.permute(
                 expert_ids_TK, num_experts)
             x_PH = ops.gather_rows(x_TH, row_pair_P, None, top_k)
-        with phase("lrmoe.expert_gemm_fwd"):
-            h_P2I = ops.grouped_mm(x_PH, w_gate_up_E2IH.transpose(1, 2), offsets_E)
-            phi_PI, phi_sq_P = ops.swiglu(h_P2I)
-            y_PH = ops.grouped_mm(phi_PI, w_down_EHI.transpose(1, 2), offsets_E)
+        h_P2I, phi_sq_P, y_PH = expert_forward(x_PH, w_gate_up_E2IH, w_down_EHI, offsets_E)
         with phase("lrmoe.combine"):
             o_TH = ops.combine(y_PH, pair_row_P, weights_TK, top_k)
 
@@ -156,52 +297,23 @@ class ExpertFunction(torch.autograd.Function):
         g_TH = grad_TH.to(x_TH.dtype).contiguous()
         num_pairs = row_pair_P.shape[0]
 
-        # exact for every pair: needs no expert backward
-        with phase("lrmoe.router_grad"):
-            grad_weights_TK = ops.routing_weight_grad(g_TH, y_PH, pair_row_P, top_k)
+        def quotas():
+            if not cfg.selective_backward:
+                return tokens_per_expert_E, tokens_per_expert_E, num_pairs
+            quota_E = ops.quota(tokens_per_expert_E, cfg.recalibration_rate, cfg.quota_rule)
+            return quota_E, quota_E, cfg.retained_pairs(num_pairs)
 
-        alpha_P = weights_TK.detach().reshape(-1).float()
-        if cfg.selective_backward:
-            num_retained = cfg.retained_pairs(num_pairs)
-            score_P, seed = score_pairs(cfg, stats, g_TH, weights_TK, phi_sq_P, row_pair_P)
-            with phase("lrmoe.select"):
-                quota_E = ops.quota(tokens_per_expert_E, cfg.recalibration_rate,
-                                    cfg.quota_rule)
-                kept_rows_R, kept_pair_R, pair_kept_P, kept_offsets_E, kept_scale_R, mass = (
-                    ops.select(score_P, row_pair_P, offsets_E, quota_E, num_retained,
-                               cfg.selection, seed))
-            with phase("lrmoe.compact"):
-                scale_R = alpha_P.index_select(0, kept_pair_R) * kept_scale_R
-            # the kept rows of h are read through kept_rows by the SwiGLU kernels below:
-            # compacted on the fly, never copied
-            h_rows_R = kept_rows_R
-            stats.quota_E, stats.retained_mass = quota_E, mass
-        else:
-            num_retained = num_pairs
-            kept_pair_R, pair_kept_P, kept_offsets_E = row_pair_P, pair_row_P, offsets_E
-            scale_R = alpha_P.index_select(0, row_pair_P)
-            h_rows_R = None
-            stats.quota_E, stats.retained_mass = tokens_per_expert_E, None
-        stats.num_retained, stats.kept_pair_R = num_retained, kept_pair_R
-        stats.backward_steps += 1
-
+        kept = select_pairs(cfg, stats, g_TH, weights_TK, y_PH, phi_sq_P, row_pair_P,
+                            pair_row_P, offsets_E, quotas)
         # compacted buffers: every one has R rows
         with phase("lrmoe.compact"):
-            G_RH = ops.gather_rows(g_TH, kept_pair_R, scale_R, top_k)
-            X_RH = ops.gather_rows(x_TH, kept_pair_R, None, top_k)
-        with phase("lrmoe.expert_gemm_bwd"):
-            phi_RI, _ = ops.swiglu(h_P2I, h_rows_R)
-            dphi_RI = ops.grouped_mm(G_RH, w_down_EHI, kept_offsets_E)
-            grad_w_down_EHI = ops.grouped_mm(G_RH.t(), phi_RI, kept_offsets_E)
-            dh_R2I = ops.swiglu_backward(dphi_RI, h_P2I, h_rows_R)
-            grad_w_gate_up_E2IH = ops.grouped_mm(dh_R2I.t(), X_RH, kept_offsets_E)
-            dx_RH = ops.grouped_mm(dh_R2I, w_gate_up_E2IH, kept_offsets_E)
+            G_RH = ops.gather_rows(g_TH, kept.kept_pair_R, kept.scale_R, top_k)
+            X_RH = ops.gather_rows(x_TH, kept.kept_pair_R, None, top_k)
+        dx_RH, grad_w_gate_up_E2IH, grad_w_down_EHI, buffers = expert_backward(
+            G_RH, X_RH, h_P2I, kept.kept_rows_R, w_gate_up_E2IH, w_down_EHI,
+            kept.kept_offsets_E)
         with phase("lrmoe.scatter"):
-            grad_x_TH = ops.combine(dx_RH, pair_kept_P, None, top_k)
-
-        buffers = {"G": G_RH, "X": X_RH, "phi": phi_RI, "dphi": dphi_RI, "dh": dh_R2I,
-                   "dx": dx_RH}
-        stats.buffers = {k: tuple(v.shape) for k, v in buffers.items()}
-        stats.buffer_bytes = sum(v.numel() * v.element_size() for v in buffers.values())
-        return (grad_x_TH.to(x_TH.dtype), grad_weights_TK.to(weights_TK.dtype), None,
+            grad_x_TH = ops.combine(dx_RH, kept.pair_kept_P, None, top_k)
+        stats.record_buffers(buffers)
+        return (grad_x_TH.to(x_TH.dtype), kept.grad_weights_TK.to(weights_TK.dtype), None,
                 grad_w_gate_up_E2IH, grad_w_down_EHI, None, None)

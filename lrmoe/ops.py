@@ -108,7 +108,7 @@ def score(grad_out: Tensor, weights: Tensor, phi_sq: Tensor, row_pair: Tensor,
     """Backward priority of every routed pair, in row order, fp32.
 
     ``lrm``: R_u = alpha_u^2 * ||g_t||^2 * ||phi_u||^2, the squared Frobenius norm of the
-    pair's rank-one contribution (alpha_u g_t) phi_u^T to dW_down (DESIGN.md section 1).
+    pair's rank-one contribution (alpha_u g_t) phi_u^T to dW_down (docs/algorithm.md section 2).
     ``grad_sq``: ||g_t||^2. ``grad_abs``: ||g_t||_1. ``random``: uniform [0, 1) from a
     counter-based hash of (seed, pair id) -- identical on CPU and CUDA.
 

@@ -31,35 +31,72 @@ class Routing:
     probs_TE: Tensor
 
 
-def load_balancing_loss(probs_TE: Tensor, expert_ids_TK: Tensor) -> Tensor:
+def load_balancing_loss(probs_TE: Tensor, expert_ids_TK: Tensor,
+                        token_mask_T: Optional[Tensor] = None) -> Tensor:
     """Switch-style auxiliary loss, generalised to top-k as transformers computes it.
 
     L_aux = E * sum_e f_e * P_e with f_e = n_e / T (routed pairs of expert e per token,
     summed over the K slots) and P_e = mean_t probs[t, e]. Fedus et al., "Switch
-    Transformers", JMLR 2022, eq. 4; transformers ``load_balancing_loss_func``.
-    Equals K for perfectly uniform routing with uniform probabilities.
+    Transformers", JMLR 2022, eq. 4; transformers ``load_balancing_loss_func`` (which
+    also restricts both means to the tokens of its ``attention_mask``, as ``token_mask_T``
+    does here). Equals K for perfectly uniform routing with uniform probabilities.
 
     Args:
         probs_TE: (T, E) float32 probabilities (differentiable).
         expert_ids_TK: (T, K) int64 selected experts.
+        token_mask_T: optional (T,) bool, True for the tokens that count (e.g. not
+            padding); None counts every token.
 
     Returns:
-        () float32 scalar.
+        () float32 scalar; 0 (still differentiable) when no token counts (T = 0 or an
+        all-False mask), never NaN.
     """
     num_tokens, num_experts = probs_TE.shape
-    counts_E = torch.zeros(num_experts, dtype=torch.float32, device=probs_TE.device)
-    counts_E.scatter_add_(0, expert_ids_TK.reshape(-1),
-                          torch.ones(expert_ids_TK.numel(), device=probs_TE.device))
-    return num_experts * torch.sum(counts_E / max(num_tokens, 1) * probs_TE.mean(dim=0))
+    dev = probs_TE.device
+    if token_mask_T is None:
+        ones_P = torch.ones(expert_ids_TK.numel(), device=dev)
+        # sum, not mean, for T = 0: the mean of no rows is NaN
+        p_E = probs_TE.mean(dim=0) if num_tokens else probs_TE.sum(dim=0)
+        denom = max(num_tokens, 1)
+    else:
+        w_T = token_mask_T.to(torch.float32)
+        ones_P = w_T.repeat_interleave(expert_ids_TK.shape[1])
+        denom = w_T.sum().clamp_min(1.0)  # a tensor: no host sync
+        p_E = (probs_TE * w_T[:, None]).sum(dim=0) / denom
+    counts_E = torch.zeros(num_experts, dtype=torch.float32, device=dev)
+    counts_E.scatter_add_(0, expert_ids_TK.reshape(-1), ones_P)
+    return num_experts * torch.sum(counts_E / denom * p_E)
 
 
-def router_z_loss(logits_TE: Tensor) -> Tensor:
+def router_z_loss(logits_TE: Tensor, token_mask_T: Optional[Tensor] = None) -> Tensor:
     """Router z-loss, mean_t (logsumexp_e logits[t, e])^2.
 
     Zoph et al., "ST-MoE: Designing Stable and Transferable Sparse Expert Models", 2022,
-    eq. 5. Args: logits_TE (T, E) float32. Returns: () float32.
+    eq. 5.
+
+    Args:
+        logits_TE: (T, E) float32.
+        token_mask_T: optional (T,) bool; the mean runs over the True tokens only.
+
+    Returns:
+        () float32; 0 when no token counts, never NaN.
     """
-    return torch.logsumexp(logits_TE, dim=-1).square().mean()
+    z_T = torch.logsumexp(logits_TE, dim=-1).square()
+    if token_mask_T is None:
+        return z_T.mean() if z_T.numel() else z_T.sum()
+    w_T = token_mask_T.to(torch.float32)
+    return (z_T * w_T).sum() / w_T.sum().clamp_min(1.0)
+
+
+def router_losses(config: LRMoEConfig, routing: Routing,
+                  token_mask_T: Optional[Tensor] = None) -> Tensor:
+    """``router_aux_loss_coef * load_balancing_loss + router_z_loss_coef * z_loss``, the
+    ``aux_loss`` of a layer. Shapes as :func:`load_balancing_loss`; () float32."""
+    aux = config.router_aux_loss_coef * load_balancing_loss(
+        routing.probs_TE, routing.expert_ids_TK, token_mask_T)
+    if config.router_z_loss_coef:
+        aux = aux + config.router_z_loss_coef * router_z_loss(routing.logits_TE, token_mask_T)
+    return aux
 
 
 class Router(nn.Module):
@@ -67,7 +104,8 @@ class Router(nn.Module):
 
     Parameters mirror transformers: ``weight`` (E, H) like ``Qwen3MoeTopKRouter.weight``,
     and for the sigmoid router the buffer ``e_score_correction_bias`` (E,) like
-    ``Glm4MoeTopkRouter``, which steers selection only.
+    ``Glm4MoeTopkRouter``, which steers selection only and stays float32 when the module
+    is cast to another dtype.
 
     Args:
         config: the layer config (router kind, top_k, norm_topk_prob, scaling).
@@ -81,6 +119,17 @@ class Router(nn.Module):
         if config.router == "sigmoid":
             self.register_buffer("e_score_correction_bias",
                                  torch.zeros(config.num_experts, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        # the selection bias stays fp32 under layer.to(bf16) / .half(): a 16-bit bias
+        # would round the small corrections that steer the top-k choice; only its device
+        # follows the module
+        bias = self._buffers.get("e_score_correction_bias")
+        out = super()._apply(fn, recurse)
+        moved = self._buffers.get("e_score_correction_bias")
+        if bias is not None and moved is not None and moved.dtype != torch.float32:
+            self._buffers["e_score_correction_bias"] = bias.to(moved.device)
+        return out
 
     def forward(self, x_TH: Tensor, expert_ids_TK: Optional[Tensor] = None) -> Routing:
         """Route T tokens.

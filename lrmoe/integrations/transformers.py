@@ -3,9 +3,9 @@
 Legend: T tokens, H hidden size, E experts, K top_k, I expert intermediate size.
 
 ``patch_moe_blocks(model, ...)`` replaces every sparse-MoE block of a Hugging Face
-transformers model by a :class:`TransformersMoELayer` -- an :class:`lrmoe.LRMoELayer`
-that holds the block's own submodules (the very same ``nn.Parameter`` objects under the
-very same names), so ``save_pretrained`` / ``from_pretrained`` checkpoints load and save
+transformers model by a :class:`TransformersMoELayer` -- an LRMoE layer (the same
+:class:`lrmoe.layer.MoECore` as :class:`lrmoe.LRMoELayer`) that holds the block's own
+submodules (the very same ``nn.Parameter`` objects under the very same names), so ``save_pretrained`` / ``from_pretrained`` checkpoints load and save
 unchanged and an optimizer built before or after patching sees the same tensors.
 
 Mapped families (the block classes of transformers 5.17.0):
@@ -30,14 +30,18 @@ fp32, the cast of the weights, group-limited selection -- is the transformers co
 and transformers' ``OutputRecorder`` (which hooks the router *class*, output index 0, to
 collect ``router_logits`` when ``output_router_logits=True``) keeps working: the model's
 own ``aux_loss`` and ``loss`` are those of the unpatched model. Only the routed experts
-change: they run through :class:`lrmoe.experts.ExpertFunction` (exact forward, planned
-backward with recalibration rate c). The shared expert(s) are the block's own modules.
+change: they run through :class:`lrmoe.experts.ExpertFunction` (or, with ``ep_group``,
+:class:`lrmoe.parallel.ExpertParallelFunction`): exact forward, planned backward with
+recalibration rate c. The shared expert(s) are the block's own modules.
 
 Aux losses: with ``output_router_logits=True`` the transformers model adds
 ``router_aux_loss_coef * load_balancing_loss`` to ``outputs.loss`` exactly as unpatched
-(GLM-4-MoE has no aux loss). Each patched layer also sets ``layer.aux_loss`` like any
-LRMoELayer (a per-layer Switch loss, coefficient = the model's ``router_aux_loss_coef``,
-0 for GLM); add one of the two to the training loss, not both.
+(GLM-4-MoE has no aux loss); it counts only the tokens of the ``attention_mask`` passed to
+the model (transformers' ``load_balancing_loss_func``), so padding is excluded there. Each
+patched layer also sets ``layer.aux_loss`` like any LRMoELayer (a per-layer Switch loss,
+coefficient = the model's ``router_aux_loss_coef``, 0 for GLM) over all the tokens it saw
+(transformers calls the block without a mask); add one of the two to the training loss,
+not both.
 
 Families that are not mapped raise ``NotImplementedError`` naming the block class and
 model type (e.g. ``olmoe``, ``deepseek_v3``, ``gpt_oss``, ``qwen3_next``: other block
@@ -55,9 +59,9 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from lrmoe.config import LRMoEConfig
-from lrmoe.experts import ExpertFunction
-from lrmoe.layer import LRMoELayer
-from lrmoe.router import _check_finite
+from lrmoe.experts import dropped_fraction
+from lrmoe.layer import MoECore, MoELayerBase
+from lrmoe.router import Routing, _check_finite
 
 try:
     import transformers
@@ -121,20 +125,39 @@ def _class_key(module: nn.Module) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-class TransformersMoELayer(LRMoELayer):
-    """An :class:`LRMoELayer` built around one transformers sparse-MoE block.
+class TransformersMoELayer(MoELayerBase):
+    """An LRMoE layer built around one transformers sparse-MoE block.
 
     It registers the block's own children under their own names and in their own order
     (``gate``, ``experts`` and, per family, ``shared_expert`` + ``shared_expert_gate`` or
     ``shared_experts``), so its state dict equals the block's key for key and tensor for
-    tensor. The forward calls the block's router, runs the routed experts through
-    :class:`lrmoe.experts.ExpertFunction` and adds the shared expert(s) as the block does.
+    tensor. The forward calls the block's router and runs the routed experts and the
+    shared expert(s) through the same :class:`lrmoe.layer.MoECore` as
+    :class:`lrmoe.LRMoELayer` (expert function, EP sharding and failure announcement,
+    shared-expert add, stats).
+
+    The forward is :meth:`lrmoe.layer.MoELayerBase.forward`, with these differences: the
+    output has the input's dtype like the transformers block (under autocast the experts
+    run in the autocast dtype and their sum is cast back); ``expert_ids`` raises
+    ``NotImplementedError`` (the transformers router always chooses the experts);
+    ``token_mask`` only reaches ``layer.aux_loss`` of direct calls (transformers calls the
+    block without one; the model's own ``outputs.aux_loss`` takes its ``attention_mask``).
+    :meth:`set_recalibration` takes the seed as given (the module function
+    :func:`set_recalibration` adds the layer offset).
 
     Args:
-        block: the transformers block (one of the mapped families); it is not modified.
+        block: the transformers block (one of the mapped families); its modules are taken
+            over, not copied (under EP its ``experts`` module then holds only this rank's
+            shard).
         family: its :class:`_Family`.
         config: :class:`LRMoEConfig` describing the block and the planned backward.
         layer_index: position among the model's MoE blocks (0-based); offsets the seed.
+        ep_group: optional ``torch.distributed`` group: keep this rank's E / W experts
+            (a collective; see :mod:`lrmoe.parallel`).
+
+    Raises:
+        ValueError: under EP, E not divisible by the EP size or ranks with different
+            configurations.
 
     Attributes:
         gate: the block's router module (``gate.weight`` (E, H); GLM: also the buffer
@@ -143,17 +166,16 @@ class TransformersMoELayer(LRMoELayer):
             ``experts.down_proj`` (E, H, I)).
         model_type: the transformers family, e.g. ``"qwen3_moe"``.
         layer_index: see Args. jitter_noise: Mixtral's ``router_jitter_noise`` (else 0).
-        aux_loss, router_logits, stats: as in :class:`LRMoELayer`; ``router_logits`` is
-            (T, E) float32.
+        aux_loss, router_logits, stats: as in :class:`lrmoe.layer.MoELayerBase`;
+            ``router_logits`` is (T, E) float32.
     """
+
+    # the transformers block returns its input's dtype (under autocast too)
+    _cast_output_to_input = True
 
     def __init__(self, block: nn.Module, family: _Family, config: LRMoEConfig,
                  layer_index: int, ep_group: Any = None) -> None:
-        # The base class builds fresh parameters; on "meta" they cost nothing and are
-        # dropped right below in favour of the block's own modules.
-        with torch.device("meta"):
-            super().__init__(config)
-        self._modules.clear()
+        super().__init__(config)
         for name, param in block._parameters.items():
             self.register_parameter(name, param)
         for name, buf in block._buffers.items():
@@ -161,115 +183,41 @@ class TransformersMoELayer(LRMoELayer):
                                  persistent=name not in block._non_persistent_buffers_set)
         for name, child in block.named_children():
             self.add_module(name, child)
-        if family.shared != "shared_expert":
-            self.shared_expert = None
-        if family.shared_gate != "shared_expert_gate":
-            self.shared_expert_gate = None
         self._family = family
         self.model_type = family.model_type
         self.layer_index = layer_index
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0)) if family.jitter else 0.0
-        if ep_group is not None:
-            self._shard_experts(ep_group)
+        # under EP: this rank's contiguous slice of the experts; the router and everything
+        # else stay whole (data parallel)
+        self.core = MoECore(config, self.experts, ep_group,
+                            where=f"{self.model_type} layer {layer_index}")
 
-    def _shard_experts(self, ep_group: Any) -> None:
-        # keep this rank's contiguous slice of the experts (lrmoe.parallel); the router and
-        # everything else stay whole (data parallel)
-        import torch.distributed as dist
-
-        from lrmoe.parallel import EXPERT_PARAM_ATTR, check_config_across_ranks
-        world, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
-        e = self.config.num_experts
-        if e % world:
-            raise ValueError(f"{self.model_type} layer {self.layer_index}: num_experts={e} is "
-                             f"not divisible by the expert-parallel size {world}; choose E a "
-                             "multiple of the EP size")
-        check_config_across_ranks(self.config, ep_group)
-        el = e // world
-        for name in ("gate_up_proj", "down_proj"):
-            full = getattr(self.experts, name)
-            shard = nn.Parameter(full.detach()[rank * el:(rank + 1) * el].clone(),
-                                 requires_grad=full.requires_grad)
-            setattr(shard, EXPERT_PARAM_ATTR, True)
-            setattr(self.experts, name, shard)
-        self.ep_group = ep_group
-
-    def set_recalibration(self, **changes) -> None:
-        """Change planned-backward settings (e.g. ``recalibration_rate=0.2``) in place.
-
-        The seed is taken as given (:func:`set_recalibration` adds the layer offset).
-
-        Raises:
-            ValueError: an invalid value, naming the field.
-        """
-        self.config = self.config.replace(**changes)
-
-    def forward(self, hidden_states: Tensor, expert_ids: Optional[Tensor] = None) -> Tensor:
-        """Apply the block: its router, LRMoE routed experts, its shared expert(s).
-
-        Args:
-            hidden_states: (..., H) float tensor of the weights' dtype (fp32, bf16, fp16,
-                fp64), or any float dtype under ``torch.autocast``.
-            expert_ids: must be None (forced routing is not available for transformers
-                routers).
-
-        Returns:
-            (..., H) tensor of the input's dtype, like the transformers block (under
-            autocast the experts run in the autocast dtype and the sum is cast back).
-
-        Raises:
-            ValueError: as :meth:`LRMoELayer.forward` (wrong width, device, dtype,
-                non-finite router logits).
-            NotImplementedError: ``expert_ids`` given.
-        """
+    def _route(self, x_TH: Tensor, expert_ids: Optional[Tensor]) -> Tuple[Tensor, Routing]:
         if expert_ids is not None:
             raise NotImplementedError(
                 f"TransformersMoELayer ({self.model_type}): forced expert_ids are not "
                 "supported; the transformers router always chooses the experts")
-        cfg = self.config
-        w_gate_up, w_down = self.experts.gate_up_proj, self.experts.down_proj
-        self._check_input(hidden_states, w_gate_up)
-        shape, in_dtype = hidden_states.shape, hidden_states.dtype
-        x_TH = hidden_states.reshape(-1, cfg.hidden_size)
         if self.jitter_noise > 0 and self.training:
             # MixtralSparseMoeBlock: the same draw, applied to router and expert input
             x_TH = x_TH * torch.empty_like(x_TH).uniform_(1.0 - self.jitter_noise,
                                                           1.0 + self.jitter_noise)
-
         with record_function("lrmoe.router"):
             # (T, E) logits in the router's dtype (collected by transformers' recorder),
             # (T, K) weights, (T, K) int64 ids -- the family's own routing code
             logits, weights_TK, expert_ids_TK = self.gate(x_TH)
             logits_TE = logits.float()
             _check_finite(logits_TE)
-            if cfg.router == "softmax":
+            if self.config.router == "softmax":
                 probs_TE = torch.softmax(logits_TE, dim=-1)
             else:
                 scores_TE = torch.sigmoid(logits_TE)
                 probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
-        self._record_routing(logits_TE, probs_TE, expert_ids_TK)
+        return x_TH, Routing(logits_TE, weights_TK.float(), expert_ids_TK, probs_TE)
 
-        x_expert_TH = x_TH
-        device_type = x_TH.device.type
-        if torch.is_autocast_enabled(device_type):
-            dtype = torch.get_autocast_dtype(device_type)
-            x_expert_TH, w_gate_up, w_down = (x_TH.to(dtype), w_gate_up.to(dtype),
-                                              w_down.to(dtype))
-        if self.ep_group is None:
-            out_TH = ExpertFunction.apply(x_expert_TH, weights_TK.float(), expert_ids_TK,
-                                          w_gate_up, w_down, cfg, self.stats).to(in_dtype)
-        else:
-            from lrmoe.parallel import ExpertParallelFunction
-            out_TH = ExpertParallelFunction.apply(
-                x_expert_TH, weights_TK.float(), expert_ids_TK, w_gate_up, w_down, cfg,
-                self.stats, self.ep_group).to(in_dtype)
+    def _shared_modules(self) -> Tuple[Optional[nn.Module], Optional[nn.Module]]:
         family = self._family
-        if family.shared is not None:
-            shared_TH = getattr(self, family.shared)(x_TH)
-            if family.shared_gate is not None:
-                shared_TH = torch.sigmoid(getattr(self, family.shared_gate)(x_TH)) * shared_TH
-            out_TH = out_TH + shared_TH
-        return out_TH.reshape(shape)
+        return (getattr(self, family.shared) if family.shared else None,
+                getattr(self, family.shared_gate) if family.shared_gate else None)
 
     def extra_repr(self) -> str:
         c = self.config
@@ -386,7 +334,7 @@ def _find_blocks(model: nn.Module) -> Tuple[List[Tuple[str, nn.Module, _Family]]
     unmapped: List[Tuple[str, nn.Module]] = []
     patched = 0
     for name, module in model.named_modules():
-        if isinstance(module, LRMoELayer):
+        if isinstance(module, MoELayerBase):
             patched += 1
             continue
         family = _FAMILIES.get(_class_key(module))
@@ -475,9 +423,9 @@ def patch_moe_blocks(model: nn.Module, settings: Any = None, /, *, ep_group: Any
     return layers
 
 
-def moe_layers(model: nn.Module) -> List[Tuple[str, LRMoELayer]]:
+def moe_layers(model: nn.Module) -> List[Tuple[str, MoELayerBase]]:
     """All LRMoE layers of ``model`` (patched or native), ``[(name, layer)]`` in order."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, LRMoELayer)]
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, MoELayerBase)]
 
 
 def set_recalibration(model: nn.Module, **changes: Any) -> int:
@@ -541,8 +489,7 @@ def summarize_diagnostics(diagnostics: Mapping[str, Mapping[str, object]]
     buffers = [int(d["backward_buffer_bytes"]) for d in ran
                if d.get("backward_buffer_bytes") is not None]
     return {
-        "dropped_fraction": (1.0 - sum(int(d["num_retained"]) for d in ran) / pairs
-                             if pairs else None),
+        "dropped_fraction": dropped_fraction(sum(int(d["num_retained"]) for d in ran), pairs),
         "retained_mass": mean("retained_mass"),
         "load_max_over_mean_before": mean("load_max_over_mean_before"),
         "load_max_over_mean_after": mean("load_max_over_mean_after"),

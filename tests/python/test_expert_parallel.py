@@ -6,7 +6,7 @@ builds the EP layer and, from the same seed, the single-process layer (same weig
 EP shard is a slice of the same initialisation), runs the full batch split over ranks and
 compares. The c > 0 reference (retained set by global quota -> per-(source, expert) share
 by largest remainder -> top scores) is written here in plain float64 PyTorch / Python
-Fractions from DESIGN.md, not from the code under test.
+Fractions from docs/algorithm.md (sections 3 and 8), not from the code under test.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _free_port() -> int:
 _DEVICE = torch.device("cpu")  # this rank's device (set by _worker)
 
 
-def _worker(rank, world, port, backend, fn, args):
+def _worker(rank, world, port, backend, fn, args, timeout_s=60):
     global _DEVICE
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
@@ -43,7 +43,7 @@ def _worker(rank, world, port, backend, fn, args):
         torch.cuda.set_device(rank)
         _DEVICE = torch.device("cuda", rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
+                            world_size=world, timeout=timedelta(seconds=timeout_s))
     try:
         fn(rank, world, *args)
     except BaseException:
@@ -53,8 +53,11 @@ def _worker(rank, world, port, backend, fn, args):
         dist.destroy_process_group()
 
 
-def _spawn(fn, backend, world, *args):
-    mp.spawn(_worker, args=(world, _free_port(), backend, fn, args), nprocs=world, join=True)
+def _spawn(fn, backend, world, *args, timeout_s=60):
+    """Run ``fn(rank, world, *args)`` on W spawned ranks (collective timeout
+    ``timeout_s``)."""
+    mp.spawn(_worker, args=(world, _free_port(), backend, fn, args, timeout_s), nprocs=world,
+             join=True)
 
 
 def _backends(gloo_worlds, nccl_worlds=(1, 2, 4, 8)):
@@ -140,14 +143,17 @@ def _check_zero_cases(rank, world):
     _check_exact(rank, world, 9, [9, 0], None)          # rank 1 owns no tokens
     _check_exact(rank, world, 11, None, "one_rank")     # rank 1's experts get nothing
     _check_exact(rank, world, 11, None, "skip_expert")  # experts 1, 2 idle everywhere
-    # c > 0 with the same degenerate routings: runs, finite, no hang
-    cfg = _cfg(num_experts=4, recalibration_rate=0.3)
+    # c > 0 with the same degenerate routings: runs, finite, no hang; the rank without
+    # tokens reports a finite (zero) aux loss
+    cfg = _cfg(num_experts=4, recalibration_rate=0.3, router_aux_loss_coef=0.01,
+               router_z_loss_coef=0.001)
     ep, _ = _layers(cfg)
     for n_local, ids in ((0 if rank else 7, None),
                          (6, torch.zeros(6, 2, dtype=torch.long).add_(torch.tensor([0, 1])))):
         x = torch.randn(n_local, 8, dtype=torch.float64, device=_DEVICE, requires_grad=True)
         o = ep(x, None if ids is None else ids.to(_DEVICE))
-        o.square().sum().backward()
+        assert torch.isfinite(ep.aux_loss) and (n_local or float(ep.aux_loss.detach()) == 0)
+        (o.square().sum() + ep.aux_loss).backward()
         assert torch.isfinite(x.grad).all()
         assert torch.isfinite(ep.experts.down_proj.grad).all()
 
@@ -368,6 +374,44 @@ def _check_mismatch(rank, world):
 @pytest.mark.parametrize("backend,world", _backends([2], (2,)))
 def test_mismatched_config_fails_fast(backend, world):
     _spawn(_check_mismatch, backend, world)
+
+
+# ------------------------------------- a patched transformers model: failure on one rank
+def _check_patched_failure(rank, world):
+    """What ``lrmoe train --ep`` runs: a patched model whose rank 1 fails in the MoE
+    layer's input checks (before the counts exchange). Every rank must raise at once,
+    not wait for the collective timeout."""
+    import time
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from lrmoe.integrations.transformers import patch_moe_blocks
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, intermediate_size=32, moe_intermediate_size=8,
+        num_experts=4, num_experts_per_tok=2)).double()
+    ((_, layer),) = patch_moe_blocks(model, ep_group=dist.group.WORLD)
+    others = "ranks \\[1\\] failed before the dispatch"
+    x = torch.randn(5, 16 if rank == 0 else 15, dtype=torch.float64)  # rank 1: bad width
+    start = time.monotonic()
+    with pytest.raises((ValueError, RuntimeError),
+                       match="last dimension" if rank == 1 else others):
+        layer(x)
+    # through the whole model: non-finite activations on rank 1 (router logits check)
+    embeds = torch.randn(1, 6, 16, dtype=torch.float64)
+    if rank == 1:
+        embeds[0, 2, 3] = float("nan")
+    with pytest.raises((ValueError, RuntimeError),
+                       match="NaN or inf" if rank == 1 else others):
+        model(inputs_embeds=embeds)
+    assert time.monotonic() - start < 5, "a rank waited for the collective timeout"
+    ids = torch.randint(0, 50, (1, 6))
+    model(input_ids=ids, labels=ids).loss.backward()  # still usable on every rank
+
+
+def test_patched_transformers_model_fails_on_every_rank_at_once():
+    _spawn(_check_patched_failure, "gloo", 2, timeout_s=15)
 
 
 # ------------------------------------------- data-parallel grads, global clip, checkpoints

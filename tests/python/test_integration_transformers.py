@@ -20,7 +20,8 @@ from transformers import (Glm4MoeConfig, Glm4MoeForCausalLM, LlamaConfig, LlamaF
                           Qwen3MoeForCausalLM)
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 
-from lrmoe import LRMoEConfig, LRMoELayer
+from lrmoe import LRMoEConfig
+from lrmoe.layer import MoELayerBase
 from lrmoe.integrations.transformers import (SEED_STRIDE, TransformersMoELayer,
                                              collect_diagnostics, patch_moe_blocks,
                                              set_recalibration, summarize_diagnostics)
@@ -249,7 +250,7 @@ def test_same_parameter_objects_and_state_dict_keys(family):
     hf = _config(family)
     expected_experts = getattr(hf, "num_experts", None) or hf.num_local_experts
     for name, layer in layers:
-        assert isinstance(layer, LRMoELayer) and model.get_submodule(name) is layer
+        assert isinstance(layer, MoELayerBase) and model.get_submodule(name) is layer
         cfg = layer.config
         assert (cfg.num_experts, cfg.top_k, cfg.hidden_size) == (
             expected_experts, hf.num_experts_per_tok, hf.hidden_size)
@@ -286,7 +287,7 @@ def test_save_pretrained_loads_into_unpatched_model(family, tmp_path):
 
     loaded = _CLASSES[family].from_pretrained(tmp_path / "patched", dtype=torch.float32)
     loaded.set_experts_implementation("grouped_mm")
-    assert not any(isinstance(m, LRMoELayer) for m in loaded.modules())
+    assert not any(isinstance(m, MoELayerBase) for m in loaded.modules())
     for (n1, t1), (n2, t2) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert n1 == n2 and torch.equal(t1, t2), n1
     ids = _ids(4)
@@ -475,7 +476,7 @@ def test_bad_settings_leave_the_model_untouched():
         patch_moe_blocks(model, {"metric": "loss"})
     with pytest.raises(TypeError, match="settings must be"):
         patch_moe_blocks(model, 0.2)
-    assert not any(isinstance(m, LRMoELayer) for m in model.modules())
+    assert not any(isinstance(m, MoELayerBase) for m in model.modules())
     with pytest.raises(ValueError, match="got an MoE block itself"):
         patch_moe_blocks(model.model.layers[0].mlp)
 

@@ -383,3 +383,96 @@ def test_retained_count_is_exact_floor(c):
         assert retained_total(n, c) == int((1 - Fraction(p, q)) * n)
     with pytest.raises(ValueError, match="recalibration_rate"):
         rate_fraction(1.0)
+
+
+# --------------------------------------------------------------------- layer-level bugs
+def _loss_layer(router="softmax"):
+    cfg, layer = _layer_and_ref(router)
+    layer.config = layer.config.replace(router_aux_loss_coef=1.0, router_z_loss_coef=0.5)
+    layer.gate.config = layer.config
+    return layer
+
+
+@pytest.mark.parametrize("mask", [None, "all_false"])
+def test_empty_batch_aux_and_z_loss_are_zero_not_nan(mask):
+    layer = _loss_layer()
+    x = torch.randn(0, 16, requires_grad=True) if mask is None else torch.randn(3, 16)
+    token_mask = None if mask is None else torch.zeros(3, dtype=torch.bool)
+    out = layer(x) if token_mask is None else layer(x, token_mask=token_mask)
+    assert float(layer.aux_loss.detach()) == 0.0  # the mean over no token is NaN
+    (out.sum() + layer.aux_loss).backward()
+    assert torch.isfinite(layer.gate.weight.grad).all()
+
+
+def test_token_mask_counts_only_real_tokens_like_transformers():
+    """aux_loss with a (B, S) attention mask equals transformers' own
+    ``load_balancing_loss_func(..., attention_mask)`` plus the z-loss over the real
+    tokens (float64 by hand); without the mask it differs."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+    layer = _loss_layer()
+    x = torch.randn(2, 10, 16)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :4] = 0  # left padding
+    layer(x, token_mask=mask)
+    logits = x.reshape(-1, 16).double() @ layer.gate.weight.detach().double().t()
+    lb = load_balancing_loss_func((logits,), 6, 2, mask)
+    real = mask.reshape(-1).bool()
+    z = float((torch.logsumexp(logits[real], -1) ** 2).mean())
+    assert float(layer.aux_loss.detach()) == pytest.approx(float(lb) + 0.5 * z, rel=1e-5)
+    unmasked = float(load_balancing_loss_func((logits,), 6, 2)) + 0.5 * float(
+        (torch.logsumexp(logits, -1) ** 2).mean())
+    assert abs(unmasked - float(layer.aux_loss.detach())) > 1e-3
+    with pytest.raises(ValueError, match="token_mask must hold one entry per token"):
+        layer(x, token_mask=mask[:, :5])
+
+
+def test_bad_expert_ids_are_refused_naming_them():
+    _, layer = _layer_and_ref()
+    x = torch.randn(4, 16)
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5], [0, 5]])
+    for bad, match in ((ids.clone().fill_(6), r"expert_ids must be in \[0, num_experts\) "
+                                              r"= \[0, 6\), got values in \[6, 6\]"),
+                       (ids - 1, r"expert_ids must be in .*got values in \[-1, 4\]"),
+                       (ids.float(), "expert_ids must be an int64"),
+                       (ids.to(torch.int16), "expert_ids must be an int64"),
+                       (ids[:, :1], r"expert_ids must be \(T, top_k\)")):
+        with pytest.raises(ValueError, match=match):
+            layer(x, bad)
+    # int32 ids route exactly like int64 ones
+    torch.testing.assert_close(layer(x, ids.to(torch.int32)), layer(x, ids), rtol=0, atol=0)
+
+
+def test_sigmoid_router_bias_stays_fp32_when_the_layer_is_cast():
+    _, layer = _layer_and_ref("sigmoid")
+    with torch.no_grad():
+        layer.gate.e_score_correction_bias.copy_(torch.linspace(-1e-3, 1e-3, 6) + 1e-5)
+    bias = layer.gate.e_score_correction_bias.clone()
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.double()):
+        cast(layer)
+        assert layer.gate.e_score_correction_bias.dtype == torch.float32
+        assert torch.equal(layer.gate.e_score_correction_bias, bias)  # not rounded
+    layer.to(torch.bfloat16)
+    assert layer.gate.weight.dtype == torch.bfloat16
+    out = layer(torch.randn(5, 16, dtype=torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+    assert layer.state_dict()["gate.e_score_correction_bias"].dtype == torch.float32
+
+
+def test_reentrant_checkpointing_warns_once_that_aux_loss_has_no_gradient():
+    from torch.utils.checkpoint import checkpoint
+    import warnings
+    layer = _loss_layer()
+    x = torch.randn(20, 16, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the non-reentrant form keeps the aux gradient
+        out = checkpoint(layer, x, use_reentrant=False)
+        assert layer.aux_loss.requires_grad
+        (out.sum() + layer.aux_loss).backward()
+    for attempt in range(2):
+        out = checkpoint(layer, x, use_reentrant=True)
+        assert not layer.aux_loss.requires_grad  # why the warning is needed
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            (out.sum() + layer.aux_loss).backward()
+        got = [w for w in caught if "use_reentrant=False" in str(w.message)]
+        assert len(got) == (1 if attempt == 0 else 0), [str(w.message) for w in caught]

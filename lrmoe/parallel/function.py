@@ -1,0 +1,108 @@
+"""``ExpertParallelFunction``: the autograd of the expert-parallel routed experts.
+
+Legend as in :mod:`lrmoe.parallel.plan`; ``_L`` tensors hold this rank's El local experts.
+The steps are the exchanges of :mod:`lrmoe.parallel.dispatch` around the one expert core
+of :mod:`lrmoe.experts` (the same GEMMs, selection and compaction as one device).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function as phase  # names the benchmark's breakdown
+
+from lrmoe import ops
+from lrmoe.config import LRMoEConfig
+from lrmoe.experts import expert_backward, expert_forward, select_pairs
+from lrmoe.parallel.dispatch import (combine, combine_dx, dispatch, dispatch_grads,
+                                     exchange_counts)
+from lrmoe.parallel.group import announce_failure
+from lrmoe.parallel.plan import build_plan
+
+
+class ExpertParallelFunction(torch.autograd.Function):
+    """Autograd of the expert-parallel routed experts (see :mod:`lrmoe.parallel`).
+
+    ``apply(x_TH, weights_TK, expert_ids_TK, w_gate_up_L2IH, w_down_LHI, config, stats,
+    group)`` with the LOCAL expert shards (El = E / W); the other arguments as
+    :class:`lrmoe.experts.ExpertFunction`. A collective: every rank of ``group`` must call
+    forward and backward (a rank with T = 0 included).
+
+    Returns:
+        o_TH: (T, H), dtype of x.
+
+    Raises:
+        RuntimeError / ValueError: as :func:`lrmoe.parallel.dispatch.exchange_counts` (a
+            rank failed before the dispatch; configs or compute dtypes differ).
+    """
+
+    @staticmethod
+    def forward(ctx, x_TH, weights_TK, expert_ids_TK, w_gate_up_L2IH, w_down_LHI,
+                config: LRMoEConfig, stats, group):
+        top_k, el = expert_ids_TK.shape[1], w_gate_up_L2IH.shape[0]
+        try:
+            with phase("lrmoe.permute"):
+                row_pair_P, pair_row_P, n_E, offsets_E = ops.permute(expert_ids_TK,
+                                                                     config.num_experts)
+                x_PH = ops.gather_rows(x_TH, row_pair_P, None, top_k)
+        except Exception:
+            announce_failure(config, group)
+            raise
+        counts_host, counts_WE = exchange_counts(n_E, config, group, x_TH.dtype)
+        plan = build_plan(counts_host, counts_WE, dist.get_rank(group), el, config)
+        x_NH = dispatch(x_PH, plan, group)
+        h_N2I, phi_sq_N, y_NH = expert_forward(x_NH, w_gate_up_L2IH, w_down_LHI,
+                                               plan.offsets_L)
+        y_PH, phi_sq_P = combine(y_NH, phi_sq_N, plan, group, x_PH.shape[0])
+        with phase("lrmoe.combine"):
+            o_TH = ops.combine(y_PH, pair_row_P, weights_TK, top_k)
+
+        ctx.save_for_backward(x_NH, h_N2I, weights_TK, w_gate_up_L2IH, w_down_LHI, y_PH,
+                              phi_sq_P, row_pair_P, pair_row_P, offsets_E)
+        ctx.config, ctx.stats, ctx.group, ctx.plan = config, stats, group, plan
+        ctx.x_dtype = x_TH.dtype
+        row_bytes = x_TH.shape[1] * x_TH.element_size()
+        stats.tokens_per_expert_E = plan.tokens_per_expert_E
+        stats.num_pairs = x_PH.shape[0]
+        stats.a2a_bytes = {
+            "forward_dispatch": x_PH.shape[0] * row_bytes,
+            "forward_combine": plan.num_received * (row_bytes + 4),
+            "counts": (config.num_experts + 1) * 8 * plan.world,
+        }
+        return o_TH
+
+    @staticmethod
+    def backward(ctx, grad_TH):
+        (x_NH, h_N2I, weights_TK, w_gate_up_L2IH, w_down_LHI, y_PH, phi_sq_P, row_pair_P,
+         pair_row_P, offsets_E) = ctx.saved_tensors
+        cfg, stats, group, plan = ctx.config, ctx.stats, ctx.group, ctx.plan
+        top_k = weights_TK.shape[1]
+        g_TH = grad_TH.to(ctx.x_dtype).contiguous()
+
+        # quotas and shares come from the plan (the forward's host counts): no sync here
+        kept = select_pairs(cfg, stats, g_TH, weights_TK, y_PH, phi_sq_P, row_pair_P,
+                            pair_row_P, offsets_E,
+                            lambda: (plan.quota_E, plan.share_E, plan.num_retained))
+        positions_R = kept.kept_rows_R
+        if positions_R is None:  # selection off: every row, in row order
+            positions_R = torch.arange(row_pair_P.shape[0], dtype=torch.int32,
+                                       device=g_TH.device)
+        with phase("lrmoe.compact"):
+            G_RH = ops.gather_rows(g_TH, kept.kept_pair_R, kept.scale_R, top_k)
+        G_MH, rows_M, order_M = dispatch_grads(G_RH, positions_R, plan, group)
+        with phase("lrmoe.compact"):
+            X_MH = ops.gather_rows(x_NH, rows_M, None, 1)
+        # the kept rows of h are read in place through rows_M, as on one device
+        dx_MH, grad_w_gate_up_L2IH, grad_w_down_LHI, buffers = expert_backward(
+            G_MH, X_MH, h_N2I, rows_M, w_gate_up_L2IH, w_down_LHI, plan.kept_offsets_L)
+        dx_RH = combine_dx(dx_MH, order_M, plan, group)
+        with phase("lrmoe.scatter"):
+            grad_x_TH = ops.combine(dx_RH, kept.pair_kept_P, None, top_k)
+
+        row_bytes = g_TH.shape[1] * g_TH.element_size()
+        stats.a2a_bytes = dict(stats.a2a_bytes or {})
+        stats.a2a_bytes.update({"backward_grad": kept.num_retained * row_bytes,
+                                "backward_index": kept.num_retained * 4,
+                                "backward_dx": plan.num_grad_received * row_bytes})
+        stats.record_buffers(buffers)
+        return (grad_x_TH.to(ctx.x_dtype), kept.grad_weights_TK.to(weights_TK.dtype), None,
+                grad_w_gate_up_L2IH, grad_w_down_LHI, None, None, None)
