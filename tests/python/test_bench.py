@@ -246,3 +246,16 @@ def test_cli_runs_from_an_installed_copy_without_profiler_noise(tmp_path):
     noise = [ln for ln in r.stderr.splitlines()
              if re.search(r"STAGE:|USDT:|cupti|kineto|profiler", ln, re.IGNORECASE)]
     assert noise == [], r.stderr[-3000:]
+
+
+def test_torchtitan_asked_for_but_missing_names_the_install_line(monkeypatch):
+    from lrmoe.bench import torchtitan_moe
+    from lrmoe.bench.methods import check_choices, default_methods
+    monkeypatch.setattr(torchtitan_moe, "torchtitan_missing",
+                        lambda: "no torchtitan; install it with `pip install --no-deps x`")
+    with pytest.raises(ValueError, match="--methods torchtitan: no torchtitan; install it"):
+        check_choices(["smoke"], ["lrmoe", "torchtitan"], "float32")
+    assert default_methods() == ["lrmoe", "dropless", "transformers"]
+    with pytest.raises(ValueError, match="unknown method 'titan'; choose from lrmoe, dropless, "
+                                         "transformers, torchtitan"):
+        check_choices(["smoke"], ["titan"], "float32")
