@@ -74,7 +74,8 @@ def _add_bench_parser(sub: Any) -> None:
     benches = p.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     benches.required = True
     layer = benches.add_parser(
-        "layer", help="one MoE layer: LRMoE against dropless and transformers baselines",
+        "layer", help="one MoE layer: LRMoE against the dropless, transformers and "
+        "torchtitan baselines",
         formatter_class=_HelpFormatter)
     add_layer_arguments(layer)
 

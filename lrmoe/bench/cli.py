@@ -1,6 +1,7 @@
 """Argument parsing of ``lrmoe bench layer`` (shared by the console script and
-``benchmarks/layer_bench.py``); ``--ep N`` runs the expert-parallel benchmark
-(:mod:`lrmoe.bench.layer_ep`) under ``torchrun --nproc-per-node N``."""
+``benchmarks/layer_bench.py``): the one-device benchmark (:mod:`lrmoe.bench.layer`), or
+with ``--ep N`` the expert-parallel one (:mod:`lrmoe.bench.layer_ep`) under ``torchrun
+--nproc-per-node N``."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +10,9 @@ import shlex
 import sys
 from typing import List, Optional
 
-from lrmoe.bench.layer import METHODS, SHAPES, bench_layer
+from lrmoe.bench.methods import EP_METHODS, METHODS
+from lrmoe.bench.report import A2A_PHASES, FAILED
+from lrmoe.bench.routing import ROUTINGS, SHAPES
 
 
 DEFAULT_TOKENS = (16384, 32768)
@@ -22,13 +25,14 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--tokens", nargs="+", type=int, default=list(DEFAULT_TOKENS),
                    help="tokens per step T, per rank with --ep (default: 16384 32768)")
     p.add_argument("--routing", nargs="+", default=["uniform", "skewed"],
-                   choices=["uniform", "skewed", "trace"], help="routing kinds")
+                   choices=list(ROUTINGS), help="routing kinds")
     p.add_argument("--trace", default=None, help="routing trace .npz for --routing trace")
     p.add_argument("--rates", nargs="+", type=float, default=[0.0, 0.1, 0.2, 0.3],
                    help="LRMoE recalibration rates")
     p.add_argument("--methods", nargs="+", default=None, choices=list(METHODS),
                    help="LRMoE at each rate, the dropless grouped baseline, transformers' "
-                        "block (default: all three; with --ep: lrmoe dropless)")
+                        "block, torchtitan's MoE (default: all, torchtitan where it is "
+                        "importable; with --ep: lrmoe dropless)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="activation and weight dtype")
@@ -72,30 +76,39 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
         args.dtype = "float32" if (args.device or "cpu") == "cpu" else args.dtype
     if args.ep is not None:
         return _run_layer_ep(args, argv)
-    methods = args.methods or list(METHODS)
+    from lrmoe.bench.layer import bench_layer
+
     command = "lrmoe bench layer " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    result = bench_layer(args.shapes, args.tokens, args.routing, args.rates, methods,
+    result = bench_layer(args.shapes, args.tokens, args.routing, args.rates, args.methods,
                          args.device, args.dtype, args.iters, args.warmup, args.rotate,
                          args.transformers_iters, args.trace, args.out, args.append_md,
                          command)
     print((result["meta"]["device"]) + ": wrote " + args.out + "/layer_bench.{json,md,png}")
     for r in result["records"]:
-        print(f"{r['shape']:>14} {r['tokens']:>6} {r['routing']:>8} {r['method']:>14} "
-              f"fwd {r['fwd_ms']:8.2f} ms  bwd {r['bwd_ms']:8.2f} ms")
+        head = f"{r['shape']:>14} {r['tokens']:>6} {r['routing']:>8} {r['label']:>14} "
+        print(head + (f"fwd {r['fwd_ms']:8.2f} ms  bwd {r['bwd_ms']:8.2f} ms"
+                      if r["fwd_ms"] is not None else _failed(r)))
     for t in result["targets"]:
-        v = "-" if t["value"] is None else f"{t['value']:.3f}"
-        print(f"target {t['target']}: {v} ({t['limit']}) {'met' if t['met'] else 'MISSED'}")
+        met = "-" if t["met"] is None else "met" if t["met"] else "MISSED"
+        print(f"{'info' if t['info'] else 'target'} {t['target']}: {t['value']:.3f} "
+              f"({t['limit']}) {met}")
     return result
+
+
+def _failed(r: dict) -> str:
+    a = r["agreement"]
+    return (f"not timed: disagrees with lrmoe c=0 (output {a['out_rel_err']:.2e}, input "
+            f"gradient {a['dx_rel_err']:.2e}, tolerance {a['tolerance']:.0e})")
 
 
 def _run_layer_ep(args: argparse.Namespace, argv: Optional[List[str]]) -> Optional[dict]:
     """``--ep N``: the expert-parallel benchmark; rank 0 prints the summary."""
-    from lrmoe.bench.layer_ep import A2A_PHASES, bench_layer_ep, torchrun_command
+    from lrmoe.bench.layer_ep import bench_layer_ep, torchrun_command
 
     command = torchrun_command(argv if argv is not None else sys.argv[1:],
                                None if argv is not None else sys.argv[0])
     result = bench_layer_ep(args.ep, args.shapes, args.tokens, args.routing, args.rates,
-                            args.methods or ["lrmoe", "dropless"], args.device, args.dtype,
+                            args.methods or list(EP_METHODS), args.device, args.dtype,
                             args.iters, args.warmup, args.rotate, args.trace, args.out,
                             args.append_md, command)
     if result is None:  # ranks > 0
@@ -104,11 +117,15 @@ def _run_layer_ep(args: argparse.Namespace, argv: Optional[List[str]]) -> Option
     print(f"{meta['device']} x{meta['world_size']} ({meta['backend']}): wrote "
           f"{args.out}/layer_bench_ep.{{json,md}}; ms are max over ranks, bytes summed")
     for r in result["records"]:
+        if r.get("status") == FAILED:
+            print(f"{r['shape']:>14} {r['tokens_per_rank']:>6}/rank {r['routing']:>8} "
+                  f"{r['label']:>14} {_failed(r)}")
+            continue
         ph = r["phases_ms"]
         ratio = "-" if r["vs_dropless"] is None else f"{r['vs_dropless']:.3f}"
         bratio = "-" if r["bwd_bytes_vs_c0"] is None else f"{r['bwd_bytes_vs_c0']:.3f}"
         print(f"{r['shape']:>14} {r['tokens_per_rank']:>6}/rank {r['routing']:>8} "
-              f"{r['method']:>14} fwd {r['fwd_ms']:8.2f} bwd {r['bwd_ms']:8.2f} ms "
+              f"{r['label']:>14} fwd {r['fwd_ms']:8.2f} bwd {r['bwd_ms']:8.2f} ms "
               f"(x dropless {ratio})  a2a ms "
               + " ".join(f"{k[4:]} {ph.get(k, float('nan')):.2f}" for k in A2A_PHASES)
               + f"  a2a MB fwd {r['a2a_bytes_fwd'] / 1e6:.2f} bwd {r['a2a_bytes_bwd'] / 1e6:.2f}"

@@ -2,12 +2,14 @@
 
 Launch: ``torchrun --nproc-per-node N -m lrmoe bench layer --ep N [options]``. Each rank
 holds E / N experts and its OWN ``--tokens`` tokens (tokens per rank), routing and inputs
-(input set s of rank r uses seed ``s + 1000 r``: :func:`lrmoe.bench.layer.make_inputs`).
+(input set s of rank r uses seed ``s + 1000 r``: :func:`lrmoe.bench.routing.make_inputs`).
 Methods, all on one seeded set of weights (each rank's expert shard is the same slice):
   * LRMoE at each recalibration rate (``LRMoELayer(cfg, ep_group=WORLD)``,
     :mod:`lrmoe.parallel`: only kept gradient rows cross the backward all-to-all);
-  * ``dropless``: ``dropless_moe_ep`` of ``benchmarks/dropless_moe.py`` (torchtitan-style
-    all-to-all dispatch and combine, autograd's backward moves every pair both ways).
+  * ``dropless``: ``dropless_moe_ep`` of :mod:`lrmoe.bench.dropless` (torchtitan-style
+    all-to-all dispatch and combine, autograd's backward moves every pair both ways),
+    first checked against LRMoE at c = 0 (output and input gradient, the maximum error
+    over ranks; every rank then skips it alike when it disagrees).
 
 Per method and rank: warm-up, then ``iters`` steps each preceded by an untimed barrier,
 device events around forward and backward, the median. Reported: max over ranks (the
@@ -38,22 +40,21 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lrmoe.bench.layer import (ROUTING_SEED_STRIDE, SHAPES, Case, PeakMemory, _f,
-                               _kernel_split, _phase_times, _Timer, build_methods, cases,
-                               check_choices, make_inputs, profile_step, time_iterations,
-                               write_reports)
+from lrmoe.bench.methods import (EP_METHODS, build_methods, check_agreement, check_choices,
+                                 reference_outputs)
+from lrmoe.bench.report import (A2A_PHASES, BYTES_BWD, BYTES_FWD, FAILED, markdown_ep,
+                                write_reports)
+from lrmoe.bench.routing import ROUTING_SEED_STRIDE, SHAPES, Case, cases, make_inputs
+from lrmoe.bench.timing import (PeakMemory, Timer, kernel_split, phase_times, profile_step,
+                                profiled, time_iterations)
 
-A2A_PHASES = ("a2a_counts", "a2a_dispatch", "a2a_combine", "a2a_grad", "a2a_dx")
 EP_PHASES = ("router", "permute", "a2a_counts", "a2a_dispatch", "expert_gemm_fwd",
              "a2a_combine", "combine", "router_grad", "score", "select", "compact",
              "a2a_grad", "expert_gemm_bwd", "a2a_dx", "scatter")
-BYTES_FWD = ("counts", "forward_dispatch", "forward_combine")
-BYTES_BWD = ("backward_grad", "backward_index", "backward_dx")
 #: substrings of NCCL all-to-all kernel names (NCCL runs all_to_all as grouped send/recv)
 A2A_KERNEL_NAMES = ("SendRecv", "AllToAll", "AlltoAll", "all_to_all", "alltoall")
 #: autograd node of torch.distributed.nn.functional.all_to_all_single's backward
 AUTOGRAD_A2A_NODE = "_AlltoAllSingleBackward"
-EP_METHODS = ("lrmoe", "dropless")
 
 
 # ----------------------------------------------------------------------- measurements
@@ -62,8 +63,8 @@ def ep_phase_times(prof_fwd, prof_bwd, cuda: bool) -> Dict[str, float]:
     on CUDA, CPU time on gloo), plus, where the backward has no ``lrmoe.a2a_grad`` range
     (the dropless baseline), its two autograd all-to-all nodes in time order as
     ``a2a_grad`` and ``a2a_dx``."""
-    out = _phase_times(prof_fwd, cuda)
-    for k, v in _phase_times(prof_bwd, cuda).items():
+    out = phase_times(prof_fwd, cuda)
+    for k, v in phase_times(prof_bwd, cuda).items():
         out[k] = out.get(k, 0.0) + v
     if "a2a_grad" not in out:
         nodes = sorted((e for e in prof_bwd.events() if e.name == AUTOGRAD_A2A_NODE
@@ -102,11 +103,11 @@ def _barrier(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _activities(device: torch.device) -> list:
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    return acts
+def _max_over_ranks(values: List[float]) -> List[float]:
+    """Element-wise maximum over the ranks of the default group (a collective)."""
+    every: List[Optional[List[float]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, list(values))
+    return [max(col) for col in zip(*every)]
 
 
 def _summary(values: Sequence[float]) -> Dict[str, float]:
@@ -116,7 +117,7 @@ def _summary(values: Sequence[float]) -> Dict[str, float]:
 def _merge_ranks(per_rank: List[dict]) -> dict:
     """One method's record from every rank's own (rank order)."""
     first = per_rank[0]
-    rec = {"method": first["method"]}
+    rec = {k: first[k] for k in ("method", "rate", "label", "agreement")}
     for key in ("fwd_ms", "bwd_ms", "fwd_bwd_ms"):
         s = _summary([r[key] for r in per_rank])
         rec[key], rec[key + "_mean"] = s["max"], s["mean"]
@@ -143,8 +144,6 @@ def _merge_ranks(per_rank: List[dict]) -> dict:
     for key in ("num_pairs", "num_retained"):
         if first.get(key) is not None:
             rec[key] = sum(r[key] for r in per_rank)
-    if first.get("recalibration_rate") is not None:
-        rec["recalibration_rate"] = first["recalibration_rate"]
     return rec
 
 
@@ -173,18 +172,30 @@ def run_case_ep(case: Case, rates: Sequence[float], methods: Sequence[str],
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     d = case.dims
-    timer = _Timer(device)
+    timer = Timer(device)
     inputs = make_inputs(case, device, rotate, trace, rank=rank)
     loads = _routing_loads(inputs.ids[0], d["experts"], world)
     cuda = device.type == "cuda"
+    built = build_methods(case, rates, methods, device, ep_group=dist.group.WORLD)
+    reference = (reference_outputs(built[0].reference, inputs)
+                 if any(m.method != "lrmoe" for m in built) else None)
     records = []
-    for method in build_methods(case, rates, methods, device, ep_group=dist.group.WORLD):
+    for method in built:
+        head = dict(method=method.method, rate=method.rate, label=method.label,
+                    shape=case.shape, tokens_per_rank=case.tokens, routing=case.routing,
+                    world_size=world)
+        agreement = (check_agreement(method, inputs, reference, combine=_max_over_ranks)
+                     if reference is not None else None)
+        if agreement is not None and not agreement["passed"]:  # the same on every rank
+            records.append(dict(head, agreement=agreement, status=FAILED, iters=0, **loads))
+            continue
         with PeakMemory(device) as mem:
             fwd, bwd = time_iterations(method, inputs, timer, warmup, iters,
                                        before_each=lambda: _barrier(device))
         prof_fwd, prof_bwd = profile_step(method, inputs, device, split=True,
                                           before_each=lambda: _barrier(device))
-        mine = dict(method=method.name, fwd_ms=statistics.median(fwd),
+        mine = dict(method=method.method, rate=method.rate, label=method.label,
+                    agreement=agreement, fwd_ms=statistics.median(fwd),
                     bwd_ms=statistics.median(bwd), peak_bytes=mem.peak,
                     phases_ms=ep_phase_times(prof_fwd, prof_bwd, cuda),
                     a2a_kernels_ms={"fwd": a2a_kernel_ms(prof_fwd),
@@ -192,82 +203,31 @@ def run_case_ep(case: Case, rates: Sequence[float], methods: Sequence[str],
                     a2a_bytes=method.a2a_bytes)
         mine["fwd_bwd_ms"] = mine["fwd_ms"] + mine["bwd_ms"]
         if cuda:  # GEMM vs other kernels by name: the dropless backward has no GEMM range
-            mine["kernels_ms"] = {"fwd": _kernel_split(prof_fwd),
-                                  "bwd": _kernel_split(prof_bwd)}
+            mine["kernels_ms"] = {"fwd": kernel_split(prof_fwd),
+                                  "bwd": kernel_split(prof_bwd)}
         if method.layer is not None:
             st = method.layer.stats
-            mine.update(recalibration_rate=float(method.name.split("=")[1]),
-                        num_pairs=st.num_pairs, num_retained=st.num_retained)
+            mine.update(num_pairs=st.num_pairs, num_retained=st.num_retained)
         every: List[Optional[dict]] = [None] * world
         dist.all_gather_object(every, mine)
         rec = _merge_ranks(every)
-        rec.update(shape=case.shape, tokens_per_rank=case.tokens, routing=case.routing,
-                   world_size=world, iters=iters, **loads)
+        rec.update(head, iters=iters, **loads)
         records.append(rec)
-        del method
+    del built
     _add_ratios(records)
     return records if rank == 0 else None
 
 
 def _add_ratios(records: List[dict]) -> None:
     """fwd+bwd / dropless and backward a2a bytes / LRMoE c = 0, within one case."""
-    by_name = {r["method"]: r for r in records}
-    base, c0 = by_name.get("dropless"), by_name.get("lrmoe c=0")
+    by_kind = {(r["method"], r["rate"]): r for r in records if r.get("status") != FAILED}
+    base, c0 = by_kind.get(("dropless", None)), by_kind.get(("lrmoe", 0.0))
     for r in records:
+        if r.get("status") == FAILED:
+            continue
         r["vs_dropless"] = r["fwd_bwd_ms"] / base["fwd_bwd_ms"] if base else None
         r["bwd_bytes_vs_c0"] = (r["a2a_bytes_bwd"] / c0["a2a_bytes_bwd"]
                                 if c0 and c0["a2a_bytes_bwd"] else None)
-
-
-# ----------------------------------------------------------------------------- report
-def markdown_ep(records: List[dict], meta: dict) -> str:
-    """The EP run as a markdown section (for docs/performance.md)."""
-    lines = [f"### Layer benchmark, expert parallel W = {meta['world_size']}, {meta['date']} "
-             f"({meta['device']})", "",
-             f"Command: `{meta['command']}`  ",
-             f"Hosts: {', '.join(meta['hosts'])}; backend {meta['backend']}"
-             f"{' ' + meta['nccl'] if meta.get('nccl') else ''}; torch "
-             f"{meta['torch']}. Tokens per rank; each rank its own routing and inputs. "
-             f"Median of {meta['iters']} iterations per rank (barrier before each, untimed); "
-             "times in ms, max over ranks (mean in the json). Phases: one profiled step, "
-             f"{'device' if meta['backend'] == 'nccl' else 'CPU'} ms per range, max over "
-             "ranks. Bytes: sent into each all-to-all, summed over ranks (MB = 1e6 B), "
-             "rows a rank sends itself included. The dropless backward is autograd's: "
-             "its all-to-alls are timed by their autograd nodes, its GEMMs have no range "
-             "(json: `kernels_ms` on CUDA). An all-to-all's time includes waiting for the "
-             "slowest peer.", ""]
-    head = ("| shape | tokens/rank | routing (max/mean) | method | fwd | bwd | fwd+bwd | "
-            "vs dropless | " + " | ".join(A2A_PHASES) + " | expert GEMM fwd | "
-            "expert GEMM bwd | a2a MB fwd | a2a MB bwd | bwd bytes vs c=0 |")
-    lines += [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in records:
-        ph = r["phases_ms"]
-        lines.append(
-            f"| {r['shape']} | {r['tokens_per_rank']} | {r['routing']} "
-            f"({r['load_max_over_mean']:.2f}) | {r['method']} | {r['fwd_ms']:.2f} | "
-            f"{r['bwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | {_f(r['vs_dropless'], 3)} | "
-            + " | ".join(_f(ph.get(k), 3) for k in A2A_PHASES)
-            + f" | {_f(ph.get('expert_gemm_fwd'), 3)} | {_f(ph.get('expert_gemm_bwd'), 3)} | "
-            f"{r['a2a_bytes_fwd'] / 1e6:.2f} | {r['a2a_bytes_bwd'] / 1e6:.2f} | "
-            f"{_f(r['bwd_bytes_vs_c0'], 3)} |")
-    keys = BYTES_FWD + BYTES_BWD
-    lines += ["", "All-to-all bytes by payload (MB, summed over ranks):", "",
-              "| shape | tokens/rank | routing | method | " + " | ".join(keys) + " |",
-              "|---|---|---|---|" + "---|" * len(keys)]
-    for r in records:
-        lines.append(f"| {r['shape']} | {r['tokens_per_rank']} | {r['routing']} | "
-                     f"{r['method']} | "
-                     + " | ".join(f"{r['a2a_bytes'][k] / 1e6:.3f}" for k in keys) + " |")
-    if meta["backend"] == "nccl":
-        lines += ["", "NCCL all-to-all kernels by name (ms per rank, sum over the step's "
-                  "kernels; max over ranks):", "",
-                  "| shape | tokens/rank | routing | method | fwd | bwd |",
-                  "|---|---|---|---|---|---|"]
-        for r in records:
-            k = r["a2a_kernels_ms"]
-            lines.append(f"| {r['shape']} | {r['tokens_per_rank']} | {r['routing']} | "
-                         f"{r['method']} | {k['fwd']['max']:.3f} | {k['bwd']['max']:.3f} |")
-    return "\n".join(lines) + "\n"
 
 
 def _meta(command: str, device: torch.device, iters: int, warmup: int, rotate: int) -> dict:
@@ -304,7 +264,8 @@ def bench_layer_ep(ep: int, shapes: Sequence[str], tokens: Sequence[int],
         ep: expert-parallel size; must equal torchrun's world size (``--nproc-per-node``).
         shapes, routings, rates, device, dtype, iters, warmup, rotate, trace: as
             :func:`lrmoe.bench.layer.bench_layer`; ``tokens``: tokens PER RANK.
-        methods: ``lrmoe`` and/or ``dropless`` (``transformers`` has no EP mode).
+        methods: ``lrmoe`` and/or ``dropless`` (``transformers`` and ``torchtitan`` have
+            no EP mode here).
 
     Returns:
         On rank 0 a dict with ``records`` (one per case and method; times in ms, max over
@@ -313,15 +274,16 @@ def bench_layer_ep(ep: int, shapes: Sequence[str], tokens: Sequence[int],
 
     Raises:
         ValueError: not under torchrun or a world size other than ``ep``; ``transformers``
-            in ``methods``; E of a shape not divisible by ``ep``; unknown shape/method/dtype.
+            or ``torchtitan`` in ``methods``; E of a shape not divisible by ``ep``; unknown shape/method/dtype.
     """
     from lrmoe.parallel import init_torchrun_group
 
     if ep < 1:
         raise ValueError(f"--ep must be >= 1, got {ep}")
-    if "transformers" in methods:
-        raise ValueError("--methods transformers has no expert-parallel mode; drop it from "
-                         "--methods when running with --ep")
+    no_ep = [m for m in methods if m not in EP_METHODS]
+    if no_ep:
+        raise ValueError(f"--methods {' '.join(no_ep)} has no expert-parallel mode; drop it "
+                         "from --methods when running with --ep")
     torch_dtype = check_choices(shapes, methods, dtype)
     for s in shapes:
         if SHAPES[s]["experts"] % ep:
@@ -336,7 +298,7 @@ def bench_layer_ep(ep: int, shapes: Sequence[str], tokens: Sequence[int],
         meta = _meta(command, dev, iters, warmup, rotate)
         # the profiler's first start takes long (hundreds of ms on some ranks): pay it
         # here, so the barrier before each profiled step lines the ranks up
-        with torch.profiler.profile(activities=_activities(dev)):
+        with profiled(dev):
             pass
         records: List[dict] = []
         for case in cases(shapes, tokens, routings, torch_dtype, dev):

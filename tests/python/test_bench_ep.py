@@ -3,33 +3,28 @@ parallel dropless baseline against the single-process one, and the launch errors
 
 The byte counts of the smoke run are checked against a hand computation from the routing
 the bench documents (input set 0 of rank r: ``make_routing(kind, T, E, K, seed=1000 r)``)
-and the proportional quota written from DESIGN.md (conftest), not from the code under test.
+and the proportional quota written from docs/algorithm.md (conftest), not from the code
+under test.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from conftest import ref_proportional_quota
-from lrmoe.bench.layer import SHAPES, make_routing
+from lrmoe.bench.routing import SHAPES, make_routing
 from test_expert_parallel import _spawn, _torchrun
 
-REPO = Path(__file__).resolve().parents[2]
 A2A = ("a2a_counts", "a2a_dispatch", "a2a_combine", "a2a_grad", "a2a_dx")
 
 
 def _baseline():
-    spec = importlib.util.spec_from_file_location("dropless_moe_test",
-                                                  REPO / "benchmarks" / "dropless_moe.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from lrmoe.bench import dropless
+    return dropless
 
 
 # ------------------------------------------------------------ (a) torchrun smoke run, W = 2
@@ -44,9 +39,15 @@ def test_ep_smoke_run_phases_and_bytes(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "wrote" in r.stdout and "dropless" in r.stdout, r.stdout
     data = json.loads((tmp_path / "o" / "layer_bench_ep.json").read_text())
-    recs = {x["method"]: x for x in data["records"]}
+    recs = {x["label"]: x for x in data["records"]}
     assert list(recs) == ["lrmoe c=0", "lrmoe c=0.1", "lrmoe c=0.2", "lrmoe c=0.3",
                           "dropless"]
+    assert [(x["method"], x["rate"]) for x in data["records"]] == [
+        ("lrmoe", 0.0), ("lrmoe", 0.1), ("lrmoe", 0.2), ("lrmoe", 0.3), ("dropless", None)]
+    # float32 on gloo: the EP dropless baseline agrees with the EP layer at c = 0 to
+    # float32 rounding (max over ranks)
+    check = recs["dropless"]["agreement"]
+    assert check["passed"] and max(check["out_rel_err"], check["dx_rel_err"]) < 1e-5
     assert data["meta"]["world_size"] == world and data["meta"]["backend"] == "gloo"
     assert "--nproc-per-node 2 -m lrmoe bench layer --ep 2" in data["meta"]["command"]
     for name, rec in recs.items():
@@ -170,6 +171,9 @@ def test_ep_wrong_world_size_and_transformers(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="--methods transformers has no expert-parallel mode"):
         bench_layer_ep(2, ["smoke"], [16], ["uniform"], methods=["lrmoe", "transformers"],
                        device="cpu", out_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="--methods torchtitan has no expert-parallel mode"):
+        bench_layer_ep(2, ["smoke"], [16], ["uniform"], methods=["torchtitan", "lrmoe"],
+                       device="cpu", out_dir=str(tmp_path))
     with pytest.raises(ValueError, match="--shapes smoke has 8 experts, not divisible by --ep 3"):
         bench_layer_ep(3, ["smoke"], [16], ["uniform"], device="cpu", out_dir=str(tmp_path))
     assert not dist.is_initialized()
@@ -179,16 +183,18 @@ def test_ep_wrong_world_size_and_transformers(tmp_path, monkeypatch):
 def test_merge_ranks_max_mean_sums_and_nccl_markdown():
     from lrmoe.bench.layer_ep import _add_ratios, _merge_ranks, markdown_ep
 
-    def rank_rec(method, fwd, bwd, grad_bytes, kernels):
+    def rank_rec(rate, fwd, bwd, grad_bytes, kernels):
         b = dict(counts=8, forward_dispatch=100, forward_combine=104, backward_grad=grad_bytes,
                  backward_index=grad_bytes // 25, backward_dx=grad_bytes)
-        return dict(method=method, fwd_ms=fwd, bwd_ms=bwd, fwd_bwd_ms=fwd + bwd,
+        return dict(method="lrmoe", rate=rate, label=f"lrmoe c={rate:g}", agreement=None,
+                    fwd_ms=fwd, bwd_ms=bwd, fwd_bwd_ms=fwd + bwd,
                     phases_ms={k: fwd / 10 for k in A2A}, a2a_bytes=b, peak_bytes=None,
                     a2a_kernels_ms={"fwd": kernels, "bwd": kernels[:1]})
-    c0 = _merge_ranks([rank_rec("lrmoe c=0", 2.0, 4.0, 100, [0.5, 0.25]),
-                       rank_rec("lrmoe c=0", 3.0, 1.0, 100, [1.0])])
-    c3 = _merge_ranks([rank_rec("lrmoe c=0.3", 1.0, 1.0, 75, []),
-                       rank_rec("lrmoe c=0.3", 1.0, 2.0, 65, [])])
+    c0 = _merge_ranks([rank_rec(0.0, 2.0, 4.0, 100, [0.5, 0.25]),
+                       rank_rec(0.0, 3.0, 1.0, 100, [1.0])])
+    c3 = _merge_ranks([rank_rec(0.3, 1.0, 1.0, 75, []),
+                       rank_rec(0.3, 1.0, 2.0, 65, [])])
+    assert (c0["method"], c0["rate"], c0["label"]) == ("lrmoe", 0.0, "lrmoe c=0")
     assert (c0["fwd_ms"], c0["fwd_ms_mean"], c0["bwd_ms"]) == (3.0, 2.5, 4.0)
     assert c0["fwd_bwd_ms"] == 6.0
     assert c0["phases_ms"]["a2a_dx"] == 0.3 and c0["phases_ms_mean"]["a2a_dx"] == 0.25

@@ -1,4 +1,6 @@
-"""Baseline: a dropless grouped-GEMM MoE written the way torchtitan writes it.
+"""The ``dropless`` baseline of ``lrmoe bench layer``: a dropless grouped-GEMM MoE written
+the way torchtitan writes it (the real torchtitan module is the ``torchtitan`` method,
+:mod:`lrmoe.bench.torchtitan_moe`).
 
 Route -> stable argsort of the expert ids -> gather token rows -> ``F.grouped_mm`` for
 [gate | up] -> SwiGLU -> ``F.grouped_mm`` down -> scale by the routing weight ->

@@ -1,0 +1,288 @@
+"""The methods ``lrmoe bench layer`` times, all over ONE set of weights.
+
+  * ``lrmoe``: :class:`lrmoe.layer.LRMoELayer` at each recalibration rate c;
+  * ``dropless``: the torchtitan-style grouped-GEMM MoE of :mod:`lrmoe.bench.dropless`
+    (autograd's own backward); under expert parallelism ``dropless_moe_ep``;
+  * ``transformers``: transformers' ``Qwen3MoeSparseMoeBlock`` as shipped;
+  * ``torchtitan``: torchtitan's own ``MoE`` module (:mod:`lrmoe.bench.torchtitan_moe`),
+    where torchtitan is importable.
+
+Every method sees the same inputs and the same routing: the case's forced expert ids,
+while each method's own router still runs so its cost and gradient are real. Before a
+baseline is timed, :func:`check_agreement` compares its output and input gradient with
+the LRMoE layer at c = 0 (which computes the same function); a baseline that disagrees
+is reported as failing the check and is not timed.
+
+Legend: T tokens, H hidden, I expert intermediate, E experts, K top_k.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lrmoe.bench.routing import SHAPES, Case, Inputs
+from lrmoe.config import LRMoEConfig
+from lrmoe.layer import LRMoELayer
+
+METHODS = ("lrmoe", "dropless", "transformers", "torchtitan")
+#: the methods that have an expert-parallel mode (``--ep``)
+EP_METHODS = ("lrmoe", "dropless")
+
+#: agreement tolerances, relative Frobenius error. float32: the same function summed in
+#: other orders agrees to a few float32 roundings. bf16: an 8-bit mantissa (relative
+#: rounding 2^-9 per value), a few roundings accumulated through two GEMMs.
+FP32_TOL = 1e-4
+BF16_TOL = 3e-2
+
+
+def label(method: str, rate: Optional[float]) -> str:
+    """Display name of a method: ``lrmoe c=0.2`` for LRMoE at rate 0.2, else the name."""
+    return f"{method} c={rate:g}" if rate is not None else method
+
+
+@dataclasses.dataclass(eq=False)
+class Method:
+    """A forward callable over (x_TH, ids_TK) with shared parameters; backward via
+    autograd.
+
+    Attributes:
+        method: ``lrmoe``, ``dropless``, ``transformers`` or ``torchtitan``.
+        rate: the LRMoE recalibration rate c; None for the baselines.
+        forward: (x (T, H), expert ids (T, K) int64) -> (T, H) output.
+        params: the parameters whose gradients one step fills (cleared between steps).
+        reference: the LRMoE layer holding the shared weights (the agreement check runs
+            it at c = 0); for an ``lrmoe`` method also the layer it times.
+        tolerance: the agreement tolerance (relative Frobenius error), 0 for ``lrmoe``.
+        a2a_source: expert parallel dropless only: the dict its forward fills with the
+            bytes sent into each all-to-all.
+        module: a baseline's own module (transformers' block, torchtitan's MoE), for
+            inspection; None otherwise.
+    """
+
+    method: str
+    rate: Optional[float]
+    forward: Callable[[Tensor, Tensor], Tensor]
+    params: List[Tensor]
+    reference: LRMoELayer
+    tolerance: float = 0.0
+    a2a_source: Optional[Dict[str, int]] = None
+    module: Optional[torch.nn.Module] = None
+
+    @property
+    def label(self) -> str:
+        return label(self.method, self.rate)
+
+    @property
+    def layer(self) -> Optional[LRMoELayer]:
+        """The LRMoE layer this method times (None for a baseline)."""
+        return self.reference if self.method == "lrmoe" else None
+
+    @property
+    def a2a_bytes(self) -> Dict[str, int]:
+        """Expert parallel only: all-to-all bytes of the last step (``lrmoe.parallel``
+        keys), refreshed by every forward/backward; empty on one device."""
+        if self.layer is not None:
+            return dict(self.layer.stats.a2a_bytes or {})
+        return dict(self.a2a_source or {})
+
+
+def default_methods() -> List[str]:
+    """Every method that can run here: ``torchtitan`` only where it is importable."""
+    from lrmoe.bench.torchtitan_moe import torchtitan_missing
+    return [m for m in METHODS if m != "torchtitan" or torchtitan_missing() is None]
+
+
+def check_choices(shapes: Sequence[str], methods: Sequence[str], dtype: str) -> torch.dtype:
+    """Validate shape and method names; returns the torch dtype of ``dtype``.
+
+    Raises:
+        ValueError: naming the unknown shape, method or dtype and the choices, or
+            ``torchtitan`` asked for where it cannot be imported (with the install line).
+    """
+    for s in shapes:
+        if s not in SHAPES:
+            raise ValueError(f"unknown shape {s!r}; choose from {sorted(SHAPES)}")
+    for m in methods:
+        if m not in METHODS:
+            raise ValueError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
+    if "torchtitan" in methods:
+        from lrmoe.bench.torchtitan_moe import torchtitan_missing
+        missing = torchtitan_missing()
+        if missing is not None:
+            raise ValueError(f"--methods torchtitan: {missing}")
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(dtype)
+    if torch_dtype is None:
+        raise ValueError(f"dtype must be bfloat16 or float32, got {dtype!r}")
+    return torch_dtype
+
+
+def layer_config(case: Case) -> LRMoEConfig:
+    """The LRMoE config of a case (metric ``lrm``, c set per method)."""
+    d = case.dims
+    return LRMoEConfig(hidden_size=d["hidden"], moe_intermediate_size=d["inter"],
+                       num_experts=d["experts"], top_k=d["top_k"],
+                       shared_expert_intermediate_size=d["shared"], metric="lrm")
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Agreement tolerance of a method computing in ``dtype``."""
+    return FP32_TOL if dtype in (torch.float32, torch.float64) else BF16_TOL
+
+
+def build_methods(case: Case, rates: Sequence[float], methods: Sequence[str],
+                  device: torch.device, ep_group=None) -> List[Method]:
+    """All methods of one case over ONE set of weights (seeded; bf16 on GPU).
+
+    Args:
+        case: the shape, tokens and dtype. rates: LRMoE recalibration rates.
+        methods: any of :data:`METHODS`.
+        device: where weights and inputs live.
+        ep_group: a process group for expert parallelism: the LRMoE layer shards its
+            experts over it (E / W per rank, the same slice of one seeded initialisation
+            on every method) and ``dropless`` becomes ``dropless_moe_ep``. A collective.
+
+    Returns:
+        One :class:`Method` per LRMoE rate, then dropless, transformers, torchtitan (those
+        asked for).
+
+    Raises:
+        ValueError: ``transformers`` or ``torchtitan`` together with ``ep_group`` (they
+            have no expert-parallel mode).
+    """
+    no_ep = [m for m in methods if m not in EP_METHODS]
+    if ep_group is not None and no_ep:
+        raise ValueError(f"--methods {' '.join(no_ep)} has no expert-parallel mode; drop it "
+                         "from --methods when running with --ep")
+    torch.manual_seed(0)
+    base = LRMoELayer(layer_config(case), ep_group=ep_group).to(device=device,
+                                                                  dtype=case.dtype)
+    out: List[Method] = []
+    if "lrmoe" in methods:
+        for c in rates:
+            def run_lrmoe(x, ids, c=c):
+                base.set_recalibration(recalibration_rate=c)
+                return base(x, ids)
+            out.append(Method("lrmoe", float(c), run_lrmoe, list(base.parameters()), base))
+    if "dropless" in methods:
+        out.append(_dropless_method(base, case, ep_group))
+    if "transformers" in methods:
+        out.append(_transformers_method(base, case, device))
+    if "torchtitan" in methods:
+        from lrmoe.bench.torchtitan_moe import torchtitan_method
+        out.append(torchtitan_method(base, case, device))
+    return out
+
+
+def _dropless_method(layer: LRMoELayer, case: Case, ep_group) -> Method:
+    """The dropless baseline on ``layer``'s router, experts and shared expert."""
+    from lrmoe.bench.dropless import dropless_moe, dropless_moe_ep
+
+    a2a_bytes: Dict[str, int] = {}
+    if ep_group is None:
+        dropless = dropless_moe
+    else:
+        def dropless(*args):
+            return dropless_moe_ep(*args, group=ep_group, a2a_bytes=a2a_bytes)
+
+    def run_dropless(x, ids):
+        with torch.profiler.record_function("lrmoe.router"):
+            routing = layer.gate(x, ids)
+        o = dropless(x, routing.weights_TK, routing.expert_ids_TK,
+                     layer.experts.gate_up_proj, layer.experts.down_proj)
+        if layer.shared_expert is not None:
+            o = o + layer.shared_expert(x)
+        return o
+    return Method("dropless", None, run_dropless, list(layer.parameters()), layer,
+                  tolerance(case.dtype), a2a_bytes if ep_group is not None else None)
+
+
+def _transformers_method(base: LRMoELayer, case: Case, device: torch.device) -> Method:
+    """transformers' Qwen3MoeSparseMoeBlock as shipped, its gate forced to the case ids."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    d = case.dims
+    tcfg = Qwen3MoeConfig(hidden_size=d["hidden"], moe_intermediate_size=d["inter"],
+                          num_experts=d["experts"], num_experts_per_tok=d["top_k"],
+                          norm_topk_prob=True)
+    # what a Qwen3MoeForCausalLM picks by default (PreTrainedModel.
+    # get_correct_experts_implementation); a bare block would fall back to the eager loop
+    tcfg._experts_implementation = "grouped_mm"
+    block = Qwen3MoeSparseMoeBlock(tcfg).to(device=device, dtype=case.dtype)
+    with torch.no_grad():
+        block.gate.weight.copy_(base.gate.weight)
+        block.experts.gate_up_proj.copy_(base.experts.gate_up_proj)
+        block.experts.down_proj.copy_(base.experts.down_proj)
+    forced = {}
+
+    def gate_forward(hidden):
+        with torch.profiler.record_function("lrmoe.router"):
+            logits = F.linear(hidden, block.gate.weight)
+            probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+            w = probs.gather(1, forced["ids"])
+            w = (w / w.sum(-1, keepdim=True)).to(logits.dtype)
+        return logits, w, forced["ids"]
+    block.gate.forward = gate_forward
+    shared = base.shared_expert
+
+    def run(x, ids):
+        forced["ids"] = ids
+        o = block(x.unsqueeze(0)).squeeze(0)
+        return o + shared(x) if shared is not None else o
+    params = list(block.parameters()) + (list(shared.parameters()) if shared else [])
+    return Method("transformers", None, run, params, base, tolerance(case.dtype),
+                  module=block)
+
+
+# ----------------------------------------------------------------- agreement check
+def rel_err(a: Tensor, b: Tensor) -> float:
+    """||a - b|| / ||b|| (Frobenius, float64)."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def _step(forward: Callable[[Tensor, Tensor], Tensor], inputs: Inputs
+          ) -> Tuple[Tensor, Tensor]:
+    """(output, input gradient) of one forward + backward on input set 0."""
+    x = inputs.xs[0].detach().requires_grad_()
+    out = forward(x, inputs.ids[0])
+    out.backward(inputs.gs[0])
+    return out.detach(), x.grad
+
+
+def reference_outputs(layer: LRMoELayer, inputs: Inputs) -> Tuple[Tensor, Tensor]:
+    """The LRMoE layer at c = 0 on input set 0: (output, input gradient), what every
+    baseline must reproduce (c = 0 keeps every pair: the full backward)."""
+    layer.set_recalibration(recalibration_rate=0.0)
+    return _step(layer, inputs)
+
+
+def check_agreement(method: Method, inputs: Inputs, reference: Tuple[Tensor, Tensor],
+                    combine: Optional[Callable[[List[float]], List[float]]] = None
+                    ) -> Optional[dict]:
+    """Compare a baseline with the LRMoE layer at c = 0 on input set 0.
+
+    Args:
+        method: the baseline (an ``lrmoe`` method returns None: it is the reference).
+        inputs: the case's inputs. reference: :func:`reference_outputs`.
+        combine: expert parallel: turns this rank's [out error, dx error] into the
+            maximum over ranks (a collective), so every rank takes the same decision.
+
+    Returns:
+        ``{"out_rel_err", "dx_rel_err", "tolerance", "passed"}`` (relative Frobenius
+        errors of the output and of the input gradient).
+    """
+    if method.method == "lrmoe":
+        return None
+    out, dx = _step(method.forward, inputs)
+    errs = [rel_err(out, reference[0]), rel_err(dx, reference[1])]
+    if combine is not None:
+        errs = combine(errs)
+    for p in method.params:
+        p.grad = None
+    passed = all(e <= method.tolerance for e in errs)  # NaN fails
+    return dict(out_rel_err=errs[0], dx_rel_err=errs[1], tolerance=method.tolerance,
+                passed=bool(passed))
