@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from lrmoe import train as T
-from lrmoe.train import ModelConfig, TrainConfig
+from lrmoe.train import (DataConfig, LRMoESettings, ModelConfig, OptimConfig, RunConfig,
+                         TrainConfig)
 
 REPO = Path(__file__).resolve().parents[2]
 TIMING_KEYS = ("tokens_per_s", "time_s")
@@ -46,7 +47,8 @@ def write_alpaca(path: Path, n: int = 96, seed: Optional[int] = None) -> Path:
 
 
 def micro(tmp_path: Path, name: str = "run", **changes) -> TrainConfig:
-    """A model and run small enough for a few CPU seconds."""
+    """A model and run small enough for a few CPU seconds; ``changes`` are flat keys
+    (``steps=6``) or whole sections."""
     data = tmp_path / "data.jsonl"
     if not data.exists():
         write_alpaca(data)
@@ -55,11 +57,13 @@ def micro(tmp_path: Path, name: str = "run", **changes) -> TrainConfig:
                           num_key_value_heads=1, head_dim=16, intermediate_size=64,
                           moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                           max_position_embeddings=128),
-        data=f"alpaca:{data}", vocab_size=512, seq_len=128, batch_size=4, steps=8, lr=1e-2,
-        min_lr=1e-3, warmup_steps=2, eval_every=3, eval_batches=2, save_every=0,
-        val_fraction=0.1, out_dir=str(tmp_path / name), cache_dir=str(tmp_path / "cache"),
-        progress="none", device="cpu", torch_threads=1, recalibration_rate=0.3,
-        selection="importance", metric="lrm")
+        data=DataConfig(source=f"alpaca:{data}", vocab_size=512, seq_len=128, batch_size=4,
+                        val_fraction=0.1, cache_dir=str(tmp_path / "cache")),
+        optim=OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=2),
+        lrmoe=LRMoESettings(recalibration_rate=0.3, selection="importance", metric="lrm"),
+        run=RunConfig(steps=8, eval_every=3, eval_batches=2, save_every=0,
+                      out_dir=str(tmp_path / name), progress="none", device="cpu",
+                      torch_threads=1))
     return cfg.replace(**changes) if changes else cfg
 
 
@@ -74,15 +78,16 @@ def test_set_values_are_typed():
         "num_experts_per_tok=4",
         "init_from=null", "norm_topk_prob=false", "max_records=250", "metric=grad_sq",
         "recalibration_rate=0.25"])
-    assert cfg.lr == 3e-4 and isinstance(cfg.lr, float)  # YAML 1.1 reads 3e-4 as a string
-    assert cfg.steps == 1000 and isinstance(cfg.steps, int)
-    assert cfg.betas == (0.8, 0.99)
+    assert cfg.optim.lr == 3e-4 and isinstance(cfg.optim.lr, float)  # YAML 1.1 reads 3e-4 as a string
+    assert cfg.run.steps == 1000 and isinstance(cfg.run.steps, int)
+    assert cfg.optim.betas == (0.8, 0.99)
     assert cfg.model.num_experts == 16 and cfg.model.num_experts_per_tok == 4
-    assert cfg.init_from is None and cfg.model.norm_topk_prob is False
-    assert cfg.max_records == 250 and cfg.metric == "grad_sq" and cfg.recalibration_rate == 0.25
+    assert cfg.model.init_from is None and cfg.model.norm_topk_prob is False
+    assert cfg.data.max_records == 250 and cfg.lrmoe.metric == "grad_sq"
+    assert cfg.lrmoe.recalibration_rate == 0.25
     # flags win over --set
     cfg = T.build_config("tiny", sets=["steps=7"], overrides={"steps": 9, "metric": None})
-    assert cfg.steps == 9 and cfg.metric == "lrm"
+    assert cfg.run.steps == 9 and cfg.lrmoe.metric == "lrm"
 
 
 def test_yaml_config_and_precedence(tmp_path):
@@ -91,11 +96,11 @@ def test_yaml_config_and_precedence(tmp_path):
                     "model.num_hidden_layers: 3\nsteps: 11\n")
     cfg = T.build_config(config_file=path)
     gpu = T.get_preset("gpu-small")
-    assert cfg.lr == 5e-4 and cfg.model.num_experts == 32 and cfg.model.num_hidden_layers == 3
-    assert cfg.model.hidden_size == gpu.model.hidden_size and cfg.seq_len == gpu.seq_len
+    assert cfg.optim.lr == 5e-4 and cfg.model.num_experts == 32 and cfg.model.num_hidden_layers == 3
+    assert cfg.model.hidden_size == gpu.model.hidden_size and cfg.data.seq_len == gpu.data.seq_len
     cfg = T.build_config("tiny", config_file=path, sets=["steps=12"])
     assert cfg.model.hidden_size == T.get_preset("tiny").model.hidden_size  # --preset wins
-    assert cfg.steps == 12  # --set wins over the file
+    assert cfg.run.steps == 12  # --set wins over the file
     # what --print-config writes reads back to the same config
     again = tmp_path / "again.yaml"
     again.write_text(T.config_yaml(cfg))
@@ -229,7 +234,7 @@ def test_metrics_plot_summary_and_checkpoint_contents(tmp_path):
 
     cfg = micro(tmp_path, steps=6, save_every=2, keep_checkpoints=2, eval_every=4)
     res = T.train(cfg)
-    out = Path(cfg.out_dir)
+    out = Path(cfg.run.out_dir)
     assert not res.interrupted and res.step == 6
     records = T.read_metrics(out / "metrics.jsonl")
     train_r = [r for r in records if r["kind"] == "train"]
@@ -242,14 +247,14 @@ def test_metrics_plot_summary_and_checkpoint_contents(tmp_path):
                     "aux_loss"):
             assert r[key] is not None and math.isfinite(r[key]), key
         assert r["ppl"] == pytest.approx(math.exp(r["loss"]))
-        assert r["tokens"] == cfg.batch_size * cfg.seq_len
+        assert r["tokens"] == cfg.data.batch_size * cfg.data.seq_len
         assert r["dropped_fraction"] == pytest.approx(0.3, abs=0.02)
         assert 0.0 < r["retained_mass"] <= 1.0
     for r in eval_r:
         assert r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]))
     # the lr column follows the schedule (warm-up 2, cosine to step 6)
     for r in train_r:
-        want = cfg.lr * T.lr_factor(r["step"] - 1, lr=cfg.lr, min_lr=cfg.min_lr,
+        want = cfg.optim.lr * T.lr_factor(r["step"] - 1, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr,
                                     warmup_steps=2, decay_steps=6)
         assert r["lr"] == pytest.approx(want, rel=1e-12)
     assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -294,7 +299,7 @@ def test_resume_reproduces_the_straight_run_exactly(tmp_path):
     first = T.train(micro(tmp_path, "resumed", steps=4, lr_decay_steps=8))
     assert first.step == 4
     resumed_cfg = micro(tmp_path, "resumed", eval_every=3, log_every=1)
-    ckpt = T.find_checkpoint(None, resumed_cfg.out_dir)
+    ckpt = T.find_checkpoint(None, resumed_cfg.run.out_dir)
     assert ckpt.name == "step-00000004"
     second = T.train(resumed_cfg, resume=ckpt)
     assert second.step == 8
@@ -448,7 +453,7 @@ def test_resume_of_a_finished_run_changes_nothing(tmp_path):
     metrics and summary as they were."""
     cfg = micro(tmp_path, steps=3)
     T.train(cfg, overwrite=True)
-    out = Path(cfg.out_dir)
+    out = Path(cfg.run.out_dir)
     before = {f: (out / f).read_bytes() for f in ("metrics.jsonl", "summary.json")}
     ckpt = T.find_checkpoint(None, out)
     result = T.train(cfg, resume=ckpt)
