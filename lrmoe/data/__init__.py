@@ -324,9 +324,7 @@ def _parse_spec(spec: str) -> _Source:
             raise ValueError(f"data spec {spec!r} lacks a path: use {kind}:PATH")
         path = Path(rest).expanduser().resolve()
         if kind == "alpaca":
-            if not path.is_file():
-                raise FileNotFoundError(f"alpaca data file not found: {path} (from data spec "
-                                        f"{spec!r})")
+            _sources.check_alpaca_path(path)
             return _Source("alpaca", path, f"alpaca:{path}", [_stat(path)])
         files = _sources.text_files(path)
         return _Source("text", path, f"text:{path}", [_stat(f) for f in files])

@@ -27,8 +27,11 @@ from lrmoe.training.distributed import log
 DTYPES = ("auto", "float32", "bfloat16")
 PROGRESS = ("auto", "bar", "lines", "none")
 SECTIONS = ("model", "data", "optim", "lrmoe", "parallel", "run")
-#: Seeds feed torch / numpy generators and 64-bit C++ counters: [0, 2^63).
+#: Seeds feed torch generators and 64-bit C++ counters: [0, 2^63).
 SEED_LIMIT = 1 << 63
+#: LRMoE's sampling seed is run.seed modulo this: the layers add their offset
+#: (lrmoe.integrations.transformers.SEED_STRIDE) and the backward count in int64.
+LRMOE_SEED_MODULUS = 1 << 62
 
 #: Fields that may differ between a checkpoint and the run that resumes it: they change
 #: neither the model, nor the data order, nor the optimisation.
@@ -295,7 +298,8 @@ class RunConfig:
         steps: optimizer steps of the run (on resume: the step to stop at; may be raised
             to extend a run).
         seed: int in [0, 2^63): initialisation, data split and order, LRMoE's
-            ``random`` / ``importance`` selection.
+            ``random`` / ``importance`` selection (which takes it modulo 2^62, room for
+            the per-layer and per-step offsets in int64).
         dtype: ``auto`` (bf16 autocast on CUDA, float32 on the CPU), ``float32`` or
             ``bfloat16`` (autocast; parameters and optimizer state stay float32).
         device: ``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``.
@@ -407,7 +411,8 @@ class TrainConfig:
         """Keyword arguments for ``patch_moe_blocks`` (the planned-backward settings)."""
         s = self.lrmoe
         return {"recalibration_rate": float(s.recalibration_rate), "metric": s.metric,
-                "quota_rule": s.quota_rule, "selection": s.selection, "seed": self.run.seed}
+                "quota_rule": s.quota_rule, "selection": s.selection,
+                "seed": self.run.seed % LRMOE_SEED_MODULUS}
 
     def to_dict(self) -> Dict[str, Any]:
         """A JSON/YAML-able nested dict (one mapping per section, ``betas`` a list)."""
