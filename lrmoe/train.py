@@ -17,11 +17,12 @@ from typing import Callable, Optional
 
 from lrmoe.training.checkpoint import (find_checkpoint, list_checkpoints,
                                        read_checkpoint_config)
-from lrmoe.training.config import (FLAT_KEYS, PRESETS, RESUME_MUTABLE_FIELDS, SECTIONS,
-                                   DataConfig, LRMoESettings, ModelConfig, OptimConfig,
-                                   ParallelConfig, RunConfig, TrainConfig, build_config,
-                                   check_resume_compatible, config_keys, config_yaml,
-                                   get_preset, parse_set)
+from lrmoe.training.compose import (PRESETS, RESUME_MUTABLE_FIELDS, build_config,
+                                    check_resume_compatible, config_yaml, get_preset,
+                                    parse_set)
+from lrmoe.training.config import (FLAT_KEYS, SECTIONS, DataConfig, LRMoESettings,
+                                   ModelConfig, OptimConfig, ParallelConfig, RunConfig,
+                                   TrainConfig, config_keys)
 from lrmoe.training.loss import causal_lm_nll, evaluate
 from lrmoe.training.metrics import print_summary, read_metrics, write_loss_curve
 from lrmoe.training.optim import lr_factor

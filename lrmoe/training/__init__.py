@@ -1,7 +1,8 @@
 """The trainer of ``lrmoe train``, one module per component (the layout follows
 torchtitan's ``trainer.py`` + ``components/``):
 
-* :mod:`~lrmoe.training.config` -- settings sections, presets, YAML / ``--set``, resume
+* :mod:`~lrmoe.training.config` -- settings sections, validation, key names;
+* :mod:`~lrmoe.training.compose` -- presets, YAML / ``--set`` composition, resume
   compatibility;
 * :mod:`~lrmoe.training.batches` -- token blocks -> batches, each rank's batch stream;
 * :mod:`~lrmoe.training.loss` -- LM loss, load-balancing loss over real tokens, validation;

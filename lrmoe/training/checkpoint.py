@@ -20,7 +20,8 @@ from typing import Any, Dict, List, Mapping, Optional
 import torch
 from torch import Tensor, nn
 
-from lrmoe.training.config import TrainConfig, read_config_json
+from lrmoe.training.compose import read_config_json
+from lrmoe.training.config import TrainConfig
 
 CHECKPOINT_PREFIX = "step-"
 STATE_FILE = "trainer_state.pt"

@@ -138,8 +138,3 @@ def reduce_step_totals(group: Any, nll_sum: Tensor, num_loss: int, stop: bool
     n, stops = (int(v) for v in totals[1:].tolist())
     return totals[0], n, bool(stops)
 
-
-def barrier(group: Optional[Any]) -> None:
-    """``torch.distributed.barrier`` over ``group``; nothing for a single process."""
-    if group is not None:
-        torch.distributed.barrier(group=group)

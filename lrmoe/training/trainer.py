@@ -36,7 +36,8 @@ from torch import Tensor, nn
 from lrmoe.training import checkpoint as ckpt_io
 from lrmoe.training import distributed as dist_io
 from lrmoe.training.batches import BatchStream, micro_batches
-from lrmoe.training.config import TrainConfig, check_ep_divides, check_resume_compatible
+from lrmoe.training.compose import check_resume_compatible
+from lrmoe.training.config import TrainConfig, check_ep_divides
 from lrmoe.training.distributed import log
 from lrmoe.training.loss import autocast, causal_lm_nll, evaluate, lm_forward
 from lrmoe.training.metrics import (CURVE_FILE, METRICS_FILE, SUMMARY_FILE, TENSORBOARD_DIR,
