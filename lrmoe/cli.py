@@ -22,16 +22,21 @@ def _add_train_parser(sub: Any) -> None:
         "train", help="train or fine-tune a Qwen3-MoE model with LRMoE layers",
         description=(
             "Train a Qwen3-MoE model (random init, or --init-from a transformers checkpoint) "
-            "whose sparse-MoE blocks are LRMoE layers. Settings compose as: --preset (default "
-            "tiny), then --config FILE, then --set key=value, then the direct flags below. "
-            "All keys: lrmoe train --print-config."),
+            "whose sparse-MoE blocks are LRMoE layers. Settings come in sections (model, data, "
+            "optim, lrmoe, parallel, run) and compose as: --preset (default tiny), then "
+            "--config FILE (nested YAML), then --set section.key=value, then the direct flags "
+            "below. A key's bare name works too (--set lr=1e-3 is optim.lr, --set data=... "
+            "is data.source). All keys: lrmoe train --print-config."),
         formatter_class=_HelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="starting configuration (default: tiny; on --resume: the checkpoint's)")
-    p.add_argument("--config", metavar="FILE", help="YAML mapping of config keys")
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML file, nested by section (configs/tiny.yaml); flat keys of "
+                        "earlier versions are read with a note")
     p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="sets",
-                   help="override one key (repeatable), e.g. --set lr=1e-3 --set "
-                        "model.num_experts=16; values are YAML")
+                   help="override one key (repeatable), e.g. --set optim.lr=1e-3 --set "
+                        "model.num_experts=16; the bare name also works (--set lr=1e-3 = "
+                        "optim.lr); values are YAML")
     p.add_argument("-c", "--recalibration-rate", type=float, metavar="C",
                    help="LRMoE recalibration rate c in [0, 1) (share of pairs whose expert "
                         "backward is dropped)")
@@ -47,7 +52,10 @@ def _add_train_parser(sub: Any) -> None:
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--ep", type=int, metavar="N", dest="ep_size",
                    help="expert-parallel size; run under torchrun --nproc-per-node N "
-                        "(config key ep_size)")
+                        "(config key parallel.ep_size)")
+    p.add_argument("--tensorboard", action="store_true", default=None,
+                   help="also write the metrics as TensorBoard scalars to OUT/tensorboard "
+                        "(run.tensorboard)")
     p.add_argument("--record-trace", metavar="PATH", dest="record_trace",
                    help="save the routed expert ids (.npz) for `lrmoe bench layer --routing "
                         "trace`")
@@ -110,11 +118,12 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def _train_overrides(args: argparse.Namespace) -> Dict[str, Any]:
+    """The direct flags as flat config keys (None: not given)."""
     return {"recalibration_rate": args.recalibration_rate, "metric": args.metric,
             "quota_rule": args.quota_rule, "selection": args.selection, "steps": args.steps,
             "data": args.data, "tokenizer": args.tokenizer, "init_from": args.init_from,
             "out_dir": args.out_dir, "device": args.device, "record_trace": args.record_trace,
-            "ep_size": args.ep_size}
+            "ep_size": args.ep_size, "tensorboard": args.tensorboard}
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -125,7 +134,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.resume is not None:
         # where to look: --resume DIR, else --out, else the composed config's out_dir
         probe = T.build_config(args.preset, args.config, args.sets, overrides)
-        ckpt = T.find_checkpoint(args.resume or None, probe.out_dir)
+        ckpt = T.find_checkpoint(args.resume or None, probe.run.out_dir)
         base = T.read_checkpoint_config(ckpt)
         if args.out_dir is None and args.resume and ckpt.parent.name == "checkpoints":
             # the run the checkpoint belongs to, even when --config/--preset name another

@@ -10,7 +10,8 @@
 # runs/tiny; an earlier run there is replaced unless --resume is given).
 #
 # Usage: bash scripts/train.sh [lrmoe train options]   e.g. --steps 200, --resume,
-#        --preset gpu-small, --data alpaca:my.jsonl, --set lr=1e-3 (README.md, "Training")
+#        --preset gpu-small, --data alpaca:my.jsonl, --set optim.lr=1e-3, --tensorboard
+#        (README.md, "Training")
 # Environment: everything bootstrap.sh reads (LRMOE_VENV, PYTHON, MAX_JOBS, ...).
 set -euo pipefail
 

@@ -1,7 +1,8 @@
 """Packing token sequences into fixed-length blocks.
 
 Legend: N blocks, S = seq_len. Labels are aligned with the inputs (the model shifts
-them itself); -100 marks positions without loss.
+them itself); -100 marks positions without loss. Segment ids number the examples
+(documents) of a block 1, 2, ...; 0 marks padding.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ class Packed:
 
     Attributes:
         input_ids_NS, labels_NS: int64 blocks.
+        segment_ids_NS: int32 blocks: 1, 2, ... for the first, second, ... example of the
+            block (a whole stream block is one segment), 0 on padding.
         truncated: examples whose response was cut to fit S.
         too_long: examples not packed because their prompt alone fills S.
         examples: examples (documents) packed.
@@ -37,6 +40,7 @@ class Packed:
 
     input_ids_NS: torch.Tensor
     labels_NS: torch.Tensor
+    segment_ids_NS: torch.Tensor
     truncated: int = 0
     too_long: int = 0
     examples: int = 0
@@ -68,6 +72,7 @@ def pack_examples(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence
     # Pass 1: place each example (block, offset); pass 2: write the arrays.
     places = []              # (example index, block, offset, length) per packed example
     fills: List[int] = []    # tokens used in each block
+    counts: List[int] = []   # examples in each block
     truncated = too_long = 0
     for i, (p, r) in enumerate(zip(prompts, responses)):
         n_p, n = len(p), len(p) + len(r) + 1
@@ -82,18 +87,23 @@ def pack_examples(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence
                       if fills[b] + n <= seq_len), n_b)
         if block == n_b:
             fills.append(0)
-        places.append((i, block, fills[block], n))
+            counts.append(0)
+        counts[block] += 1
+        places.append((i, block, fills[block], n, counts[block]))
         fills[block] += n
     input_ids = np.full((len(fills), seq_len), pad_id, dtype=np.int64)
     labels = np.full((len(fills), seq_len), IGNORE_INDEX, dtype=np.int64)
-    for i, b, o, n in places:
+    segments = np.zeros((len(fills), seq_len), dtype=np.int32)
+    for i, b, o, n, k in places:
         n_p = len(prompts[i])
         ids = np.concatenate([np.asarray(prompts[i], dtype=np.int64),
                               np.asarray(responses[i], dtype=np.int64), [eos_id]])[:n]
         input_ids[b, o:o + n] = ids
         labels[b, o + n_p:o + n] = ids[n_p:]
-    return Packed(torch.from_numpy(input_ids), torch.from_numpy(labels), truncated,
-                  too_long, len(places), sum(t[3] for t in places))
+        segments[b, o:o + n] = k
+    return Packed(torch.from_numpy(input_ids), torch.from_numpy(labels),
+                  torch.from_numpy(segments), truncated, too_long, len(places),
+                  sum(t[3] for t in places))
 
 
 def pack_stream(documents: Sequence[Sequence[int]], *, seq_len: int, eos_id: int,
@@ -112,11 +122,14 @@ def pack_stream(documents: Sequence[Sequence[int]], *, seq_len: int, eos_id: int
     n_blocks = -(-total // seq_len)
     input_ids = np.full(n_blocks * seq_len, pad_id, dtype=np.int64)
     labels = np.full(n_blocks * seq_len, IGNORE_INDEX, dtype=np.int64)
+    segments = np.zeros(n_blocks * seq_len, dtype=np.int32)
     input_ids[:total] = stream
     labels[:total] = stream
+    segments[:total] = 1
     return Packed(torch.from_numpy(input_ids.reshape(n_blocks, seq_len)),
-                  torch.from_numpy(labels.reshape(n_blocks, seq_len)), examples=len(documents),
-                  tokens=total)
+                  torch.from_numpy(labels.reshape(n_blocks, seq_len)),
+                  torch.from_numpy(segments.reshape(n_blocks, seq_len)),
+                  examples=len(documents), tokens=total)
 
 
 def split_pieces(text: str, piece_chars: int = PIECE_CHARS) -> List[str]:

@@ -21,6 +21,9 @@ PROMPT_NO_INPUT = (
 SKIP_NO_OUTPUT = "no output"
 SKIP_NO_INSTRUCTION = "no instruction"
 SKIP_EMPTY_DOC = "empty document"
+SKIP_BINARY = "binary file (NUL bytes)"
+#: A file whose first this many bytes hold a NUL byte is binary (git's heuristic).
+BINARY_PROBE = 8192
 
 #: File name suffixes read by ``text:FOLDER``.
 TEXT_SUFFIXES = (".txt", ".md")
@@ -99,22 +102,43 @@ def _parse_json_objects(path: Path, text: str) -> List[Tuple[str, object]]:
     return out
 
 
+def decode_text(raw: bytes) -> Tuple[str, bool]:
+    """UTF-8 text of ``raw`` without a leading byte-order mark; bytes that are not UTF-8
+    become U+FFFD. Returns ``(text, all bytes were UTF-8)``."""
+    try:
+        return raw.decode("utf-8-sig"), True
+    except UnicodeDecodeError:
+        return raw.decode("utf-8-sig", errors="replace"), False
+
+
+def check_alpaca_path(path: Path) -> None:
+    """Raises FileNotFoundError (naming ``path``) unless it is a file; a folder is named
+    as such (``alpaca:`` reads one file, ``text:`` reads folders)."""
+    if path.is_dir():
+        raise FileNotFoundError(f"alpaca data {path} is a folder; alpaca:PATH takes one JSON "
+                                f"list or JSONL file (text:PATH reads a folder of .txt/.md "
+                                f"files)")
+    if not path.is_file():
+        raise FileNotFoundError(f"alpaca data file not found: {path}")
+
+
 def read_alpaca(path: Path) -> SourceRecords:
-    """Alpaca-format records from a JSON list or a JSONL file.
+    """Alpaca-format records from a JSON list or a JSONL file (UTF-8, a byte-order mark
+    allowed; bytes that are not UTF-8 are replaced by U+FFFD and noted).
 
     Each record is an object with ``instruction`` (str), optional ``input`` (str) and
     ``output`` (str). Records without (or with blank) ``output`` are counted under
     ``"no output"``, those without instruction under ``"no instruction"``.
 
     Raises:
-        FileNotFoundError: naming ``path`` when it does not exist.
+        FileNotFoundError: naming ``path`` when it does not exist or is a folder.
         ValueError: on malformed JSON (naming the file and line), a record that is not an
             object or has a non-string field (naming the file and record or line), or a
             file with no records at all.
     """
-    if not path.is_file():
-        raise FileNotFoundError(f"alpaca data file not found: {path}")
-    text = path.read_text(encoding="utf-8", errors="replace")
+    check_alpaca_path(path)
+    text, clean = decode_text(path.read_bytes())
+    notes = [] if clean else [f"{path.name} had bytes that are not UTF-8, replaced by U+FFFD"]
     items = _parse_json_objects(path, text)
     if not items:
         raise ValueError(f"{path}: no records (the file is empty or an empty list); expected "
@@ -134,7 +158,7 @@ def read_alpaca(path: Path) -> SourceRecords:
             continue
         key = json.dumps([instruction, inp, output])
         records.append(InstructionRecord(key, alpaca_prompt(instruction, inp), output))
-    return SourceRecords(records, len(items), skipped)
+    return SourceRecords(records, len(items), skipped, notes)
 
 
 def text_files(path: Path) -> List[Path]:
@@ -160,25 +184,31 @@ def text_files(path: Path) -> List[Path]:
 
 def read_text_documents(path: Path) -> SourceRecords:
     """Documents ``(relative name, text)`` of ``text:PATH``; empty ones are counted under
-    ``"empty document"``; bytes that are not UTF-8 are replaced (and noted).
+    ``"empty document"``, binary files (a NUL byte in the first 8 KiB) are skipped and
+    named in a note; bytes that are not UTF-8 are replaced (and noted).
 
     Raises:
         FileNotFoundError, ValueError: see :func:`text_files`.
     """
     files = text_files(path)
-    docs, skipped, bad = [], {}, []
+    docs, skipped, bad, binary = [], {}, [], []
     for f in files:
         raw = f.read_bytes()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            text = raw.decode("utf-8", errors="replace")
-            bad.append(f.name)
         name = f.name if f == path else f.relative_to(path).as_posix()
+        if b"\0" in raw[:BINARY_PROBE]:
+            skipped[SKIP_BINARY] = skipped.get(SKIP_BINARY, 0) + 1
+            binary.append(name)
+            continue
+        text, clean = decode_text(raw)
+        if not clean:
+            bad.append(f.name)
         if not text.strip():
             skipped[SKIP_EMPTY_DOC] = skipped.get(SKIP_EMPTY_DOC, 0) + 1
             continue
         docs.append((name, text))
     notes = [f"{len(bad)} file(s) had bytes that are not UTF-8, replaced by U+FFFD: "
              f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"] if bad else []
+    if binary:
+        notes.append(f"{len(binary)} binary file(s) skipped: {', '.join(binary[:5])}"
+                     f"{' ...' if len(binary) > 5 else ''}")
     return SourceRecords(docs, len(files), skipped, notes)

@@ -348,6 +348,39 @@ def test_alpaca_malformed_and_empty(tmp_path):
         load_data("wiki", seq_len=64, cache_dir=tmp_path / "c")
 
 
+def test_alpaca_bom_non_utf8_and_folder(tmp_path):
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + "\n".join(json.dumps(r) for r in ALPACA_OK).encode())
+    d = load_data(f"alpaca:{bom}", seq_len=128, cache_dir=tmp_path / "c", vocab_size=1000,
+                  val_fraction=0.0)
+    assert d.report.records_used == 4
+    bom_list = tmp_path / "bom.json"
+    bom_list.write_bytes(b"\xef\xbb\xbf" + json.dumps(ALPACA_OK).encode())
+    assert load_data(f"alpaca:{bom_list}", seq_len=128, cache_dir=tmp_path / "c",
+                     vocab_size=1000, val_fraction=0.0).report.records_used == 4
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(json.dumps({"instruction": "Say caf\u00e9.", "output": "caf\u00e9"},
+                                  ensure_ascii=False).encode("latin-1") + b"\n")
+    d = load_data(f"alpaca:{latin1}", seq_len=128, cache_dir=tmp_path / "c", vocab_size=1000,
+                  val_fraction=0.0)
+    assert any("latin1.jsonl had bytes that are not UTF-8" in n for n in d.report.notes)
+    with pytest.raises(FileNotFoundError, match=r"is a folder; alpaca:PATH takes one JSON"):
+        load_data(f"alpaca:{tmp_path}", seq_len=128, cache_dir=tmp_path / "c")
+
+
+def test_text_folder_skips_binary_files(tmp_path):
+    root = tmp_path / "corpus"
+    _write(root / "a.txt", "plain words in a file\n" * 5)
+    _write(root / "b.md", "more plain words\n" * 5)
+    (root / "blob.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)))
+    d = load_data(f"text:{root}", seq_len=32, cache_dir=tmp_path / "c", vocab_size=1000,
+                  val_fraction=0.3)
+    r = d.report
+    assert (r.records_total, r.records_used) == (3, 2)
+    assert r.skipped == {"binary file (NUL bytes)": 1}
+    assert any("1 binary file(s) skipped: blob.txt" in n for n in r.notes)
+
+
 # ------------------------------------------------------------------ packing
 def test_pack_examples_hand_layout():
     # seq_len 8; EOS 9, pad 0. Lengths with EOS: 4, 5, 3, 8 (truncated from 11), skip, 2.
@@ -365,6 +398,28 @@ def test_pack_examples_hand_layout():
         [H, H, 16, 16, 16, 16, 16, 16]]
     assert (p.truncated, p.too_long, p.examples, p.tokens) == (1, 1, 5, 4 + 5 + 3 + 8 + 2)
     assert p.input_ids_NS.dtype == torch.int64 and p.labels_NS.dtype == torch.int64
+    assert p.segment_ids_NS.tolist() == [   # k-th example of its block, 0 = padding
+        [1, 1, 1, 1, 2, 2, 2, 0],
+        [1, 1, 1, 1, 1, 2, 2, 0],
+        [1, 1, 1, 1, 1, 1, 1, 1]]
+
+
+def test_segment_ids_survive_the_cache_and_streams_are_one_segment(tmp_path):
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(ALPACA_OK))
+    kw = dict(seq_len=128, cache_dir=tmp_path / "c", vocab_size=1000, val_fraction=0.0)
+    first = load_data(f"alpaca:{path}", **kw)
+    again = load_data(f"alpaca:{path}", **kw)
+    assert any("data: cached" in n for n in again.report.notes)
+    assert torch.equal(first.train.segment_ids, again.train.segment_ids)
+    seg = again.train.segment_ids
+    assert torch.equal(seg != 0, again.train.input_ids != again.pad_id)
+    assert sum(int(row.max()) for row in seg) == 4  # the 4 examples, numbered per block
+    text = _write(tmp_path / "t.txt", "one two three four five six seven\n" * 20)
+    d = load_data(f"text:{text}", seq_len=32, cache_dir=tmp_path / "c", vocab_size=1000,
+                  val_fraction=0.0)
+    real = d.train.input_ids != d.pad_id
+    assert torch.equal(d.train.segment_ids, real.to(torch.int32))
 
 
 def test_packing_never_splits_an_example(tmp_path):

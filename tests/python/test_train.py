@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from lrmoe import train as T
-from lrmoe.train import ModelConfig, TrainConfig
+from lrmoe.train import (DataConfig, LRMoESettings, ModelConfig, OptimConfig, RunConfig,
+                         TrainConfig)
 
 REPO = Path(__file__).resolve().parents[2]
 TIMING_KEYS = ("tokens_per_s", "time_s")
@@ -46,7 +47,8 @@ def write_alpaca(path: Path, n: int = 96, seed: Optional[int] = None) -> Path:
 
 
 def micro(tmp_path: Path, name: str = "run", **changes) -> TrainConfig:
-    """A model and run small enough for a few CPU seconds."""
+    """A model and run small enough for a few CPU seconds; ``changes`` are flat keys
+    (``steps=6``) or whole sections."""
     data = tmp_path / "data.jsonl"
     if not data.exists():
         write_alpaca(data)
@@ -55,11 +57,13 @@ def micro(tmp_path: Path, name: str = "run", **changes) -> TrainConfig:
                           num_key_value_heads=1, head_dim=16, intermediate_size=64,
                           moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                           max_position_embeddings=128),
-        data=f"alpaca:{data}", vocab_size=512, seq_len=128, batch_size=4, steps=8, lr=1e-2,
-        min_lr=1e-3, warmup_steps=2, eval_every=3, eval_batches=2, save_every=0,
-        val_fraction=0.1, out_dir=str(tmp_path / name), cache_dir=str(tmp_path / "cache"),
-        progress="none", device="cpu", torch_threads=1, recalibration_rate=0.3,
-        selection="importance", metric="lrm")
+        data=DataConfig(source=f"alpaca:{data}", vocab_size=512, seq_len=128, batch_size=4,
+                        val_fraction=0.1, cache_dir=str(tmp_path / "cache")),
+        optim=OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=2),
+        lrmoe=LRMoESettings(recalibration_rate=0.3, selection="importance", metric="lrm"),
+        run=RunConfig(steps=8, eval_every=3, eval_batches=2, save_every=0,
+                      out_dir=str(tmp_path / name), progress="none", device="cpu",
+                      torch_threads=1))
     return cfg.replace(**changes) if changes else cfg
 
 
@@ -74,15 +78,16 @@ def test_set_values_are_typed():
         "num_experts_per_tok=4",
         "init_from=null", "norm_topk_prob=false", "max_records=250", "metric=grad_sq",
         "recalibration_rate=0.25"])
-    assert cfg.lr == 3e-4 and isinstance(cfg.lr, float)  # YAML 1.1 reads 3e-4 as a string
-    assert cfg.steps == 1000 and isinstance(cfg.steps, int)
-    assert cfg.betas == (0.8, 0.99)
+    assert cfg.optim.lr == 3e-4 and isinstance(cfg.optim.lr, float)  # YAML 1.1 reads 3e-4 as a string
+    assert cfg.run.steps == 1000 and isinstance(cfg.run.steps, int)
+    assert cfg.optim.betas == (0.8, 0.99)
     assert cfg.model.num_experts == 16 and cfg.model.num_experts_per_tok == 4
-    assert cfg.init_from is None and cfg.model.norm_topk_prob is False
-    assert cfg.max_records == 250 and cfg.metric == "grad_sq" and cfg.recalibration_rate == 0.25
+    assert cfg.model.init_from is None and cfg.model.norm_topk_prob is False
+    assert cfg.data.max_records == 250 and cfg.lrmoe.metric == "grad_sq"
+    assert cfg.lrmoe.recalibration_rate == 0.25
     # flags win over --set
     cfg = T.build_config("tiny", sets=["steps=7"], overrides={"steps": 9, "metric": None})
-    assert cfg.steps == 9 and cfg.metric == "lrm"
+    assert cfg.run.steps == 9 and cfg.lrmoe.metric == "lrm"
 
 
 def test_yaml_config_and_precedence(tmp_path):
@@ -91,11 +96,11 @@ def test_yaml_config_and_precedence(tmp_path):
                     "model.num_hidden_layers: 3\nsteps: 11\n")
     cfg = T.build_config(config_file=path)
     gpu = T.get_preset("gpu-small")
-    assert cfg.lr == 5e-4 and cfg.model.num_experts == 32 and cfg.model.num_hidden_layers == 3
-    assert cfg.model.hidden_size == gpu.model.hidden_size and cfg.seq_len == gpu.seq_len
+    assert cfg.optim.lr == 5e-4 and cfg.model.num_experts == 32 and cfg.model.num_hidden_layers == 3
+    assert cfg.model.hidden_size == gpu.model.hidden_size and cfg.data.seq_len == gpu.data.seq_len
     cfg = T.build_config("tiny", config_file=path, sets=["steps=12"])
     assert cfg.model.hidden_size == T.get_preset("tiny").model.hidden_size  # --preset wins
-    assert cfg.steps == 12  # --set wins over the file
+    assert cfg.run.steps == 12  # --set wins over the file
     # what --print-config writes reads back to the same config
     again = tmp_path / "again.yaml"
     again.write_text(T.config_yaml(cfg))
@@ -229,7 +234,7 @@ def test_metrics_plot_summary_and_checkpoint_contents(tmp_path):
 
     cfg = micro(tmp_path, steps=6, save_every=2, keep_checkpoints=2, eval_every=4)
     res = T.train(cfg)
-    out = Path(cfg.out_dir)
+    out = Path(cfg.run.out_dir)
     assert not res.interrupted and res.step == 6
     records = T.read_metrics(out / "metrics.jsonl")
     train_r = [r for r in records if r["kind"] == "train"]
@@ -242,14 +247,14 @@ def test_metrics_plot_summary_and_checkpoint_contents(tmp_path):
                     "aux_loss"):
             assert r[key] is not None and math.isfinite(r[key]), key
         assert r["ppl"] == pytest.approx(math.exp(r["loss"]))
-        assert r["tokens"] == cfg.batch_size * cfg.seq_len
+        assert r["tokens"] == cfg.data.batch_size * cfg.data.seq_len
         assert r["dropped_fraction"] == pytest.approx(0.3, abs=0.02)
         assert 0.0 < r["retained_mass"] <= 1.0
     for r in eval_r:
         assert r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]))
     # the lr column follows the schedule (warm-up 2, cosine to step 6)
     for r in train_r:
-        want = cfg.lr * T.lr_factor(r["step"] - 1, lr=cfg.lr, min_lr=cfg.min_lr,
+        want = cfg.optim.lr * T.lr_factor(r["step"] - 1, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr,
                                     warmup_steps=2, decay_steps=6)
         assert r["lr"] == pytest.approx(want, rel=1e-12)
     assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -294,7 +299,7 @@ def test_resume_reproduces_the_straight_run_exactly(tmp_path):
     first = T.train(micro(tmp_path, "resumed", steps=4, lr_decay_steps=8))
     assert first.step == 4
     resumed_cfg = micro(tmp_path, "resumed", eval_every=3, log_every=1)
-    ckpt = T.find_checkpoint(None, resumed_cfg.out_dir)
+    ckpt = T.find_checkpoint(None, resumed_cfg.run.out_dir)
     assert ckpt.name == "step-00000004"
     second = T.train(resumed_cfg, resume=ckpt)
     assert second.step == 8
@@ -448,10 +453,228 @@ def test_resume_of_a_finished_run_changes_nothing(tmp_path):
     metrics and summary as they were."""
     cfg = micro(tmp_path, steps=3)
     T.train(cfg, overwrite=True)
-    out = Path(cfg.out_dir)
+    out = Path(cfg.run.out_dir)
     before = {f: (out / f).read_bytes() for f in ("metrics.jsonl", "summary.json")}
     ckpt = T.find_checkpoint(None, out)
     result = T.train(cfg, resume=ckpt)
     assert result.step == 3
     for f, data in before.items():
         assert (out / f).read_bytes() == data, f
+
+
+# ---------------------------------------------------------------------------- a new user's start
+def _bad_start(tmp_path, case, monkeypatch):
+    """(config, expected exception, message) of a start that must fail before writing."""
+    cfg = micro(tmp_path, steps=2, eval_every=0)
+    if case == "malformed":
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"instruction": "x", "output": "y"}\n{not json\n')
+        return cfg.replace(data=f"alpaca:{bad}"), ValueError, "malformed JSON"
+    if case == "missing":
+        return cfg.replace(data=f"alpaca:{tmp_path / 'nope.jsonl'}"), FileNotFoundError, "nope"
+    if case == "device":
+        return cfg.replace(device="cuda:99"), ValueError, "run.device"
+    if case == "init_from":
+        return cfg.replace(init_from=str(tmp_path / "nomodel")), FileNotFoundError, "config.json"
+    if case == "tokenizer":
+        return cfg.replace(tokenizer=str(tmp_path / "no.json")), FileNotFoundError, "no.json"
+    if case == "ctrl_c":
+        import lrmoe.data
+
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+        monkeypatch.setattr(lrmoe.data, "load_data", interrupted)
+        return cfg, KeyboardInterrupt, None
+    assert case == "ep"
+    from transformers import Qwen3MoeConfig
+
+    model_dir = tmp_path / "model"
+    Qwen3MoeConfig(num_experts=4).save_pretrained(model_dir)
+    return (cfg.replace(init_from=str(model_dir), ep_size=3), ValueError,
+            r"parallel\.ep_size=3 must divide num_experts of .*=4")
+
+
+@pytest.mark.parametrize("case", ["malformed", "missing", "device", "init_from", "tokenizer",
+                                  "ctrl_c", "ep"])
+def test_a_failed_start_writes_nothing(tmp_path, monkeypatch, case):
+    cfg, exc, msg = _bad_start(tmp_path, case, monkeypatch)
+    with pytest.raises(exc, match=msg):
+        T.train(cfg)
+    assert not Path(cfg.run.out_dir).exists()
+
+
+def test_same_command_runs_after_a_failed_start(tmp_path, monkeypatch):
+    cfg, _, _ = _bad_start(tmp_path, "ctrl_c", monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        T.train(cfg)
+    monkeypatch.undo()
+    # a folder left by an earlier version's failed start (an empty metrics.jsonl, a plot of
+    # step 0) holds no step: it is reused without --overwrite
+    out = Path(cfg.run.out_dir)
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"kind": "eval", "step": 0, "val_loss": 1.0}\n')
+    assert T.train(cfg).step == 2
+    assert [r["step"] for r in T.read_metrics(out / "metrics.jsonl")] == [0, 1, 2, 2]
+
+
+def test_interrupted_saves_are_removed_at_the_next_start(tmp_path):
+    cfg = micro(tmp_path, steps=2, eval_every=0)
+    T.train(cfg)
+    root = Path(cfg.run.out_dir) / "checkpoints"
+    (root / ".tmp-step-00000003-4242").mkdir()
+    (root / ".tmp-step-00000003-4242" / "model.safetensors").write_bytes(b"half")
+    (root / ".old-step-00000002-4242").mkdir()
+    T.train(cfg.replace(steps=3), resume=T.find_checkpoint(None, cfg.run.out_dir))
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000002", "step-00000003"]
+
+
+def test_largest_seed_trains(tmp_path):
+    res = T.train(micro(tmp_path, steps=2, eval_every=0, metric="random", seed=2 ** 63 - 1))
+    assert res.step == 2
+
+
+# ---------------------------------------------------------------------------- padding, packing
+def _tiny_lm(attn: str = "sdpa", seed: int = 0):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    hf = Qwen3MoeConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                        intermediate_size=32, moe_intermediate_size=8, num_experts=4,
+                        num_experts_per_tok=2, attn_implementation=attn)
+    return Qwen3MoeForCausalLM(hf).eval()
+
+
+def ref_switch_loss(router_logits, real, num_experts, top_k):
+    """Switch-Transformer load-balancing loss (Fedus et al. 2021, eqs. 4-6, as transformers
+    sums it over layers) in float64 over the rows ``real`` only: E * sum_e f_e * P_e with
+    f_e = top-k assignments to e / rows, P_e = mean router probability of e."""
+    counts = torch.zeros(num_experts, dtype=torch.float64)
+    probs = torch.zeros(num_experts, dtype=torch.float64)
+    rows = 0
+    for layer in router_logits:
+        p = torch.softmax(layer[real].double(), dim=-1)
+        for t in range(p.shape[0]):
+            for e in torch.topk(p[t], top_k).indices.tolist():
+                counts[e] += 1
+        probs += p.sum(0)
+        rows += p.shape[0]
+    return float(num_experts * ((counts / rows) * (probs / rows)).sum())
+
+
+def test_load_balancing_loss_counts_only_real_tokens():
+    from lrmoe.data import TokenBlocks
+    from lrmoe.training.batches import make_batch
+    from lrmoe.training.loss import lm_forward
+
+    model = _tiny_lm(seed=int.from_bytes(os.urandom(4), "little"))
+    ids = torch.randint(0, 50, (3, 12))
+    seg = torch.tensor([[1] * 5 + [2] * 4 + [0] * 3, [1] * 12, [1] * 7 + [0] * 5])
+    batch = make_batch(TokenBlocks(ids, ids.clone(), seg), slice(0, 3), True)
+    with torch.no_grad():
+        _, aux = lm_forward(model, batch, aux_loss=True)
+        out = model(input_ids=ids, position_ids=batch.position_ids_BS, use_cache=False,
+                    output_router_logits=True)
+    want = ref_switch_loss(out.router_logits, (seg != 0).reshape(-1), 4, 2)
+    assert float(aux) == pytest.approx(want, rel=1e-5)
+    assert float(out.aux_loss) != pytest.approx(want, rel=1e-5)  # padding changes it
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_example_sees_only_itself(attn):
+    """The second example of a packed block gets the logits it gets alone; without
+    isolation it does not (so the check can fail)."""
+    from lrmoe.data import TokenBlocks
+    from lrmoe.data.packing import pack_examples
+    from lrmoe.training.batches import make_batch
+    from lrmoe.training.loss import lm_forward
+
+    model = _tiny_lm(attn, seed=int.from_bytes(os.urandom(4), "little"))
+    a, b = torch.randint(2, 50, (5,)).tolist(), torch.randint(2, 50, (7,)).tolist()
+    packed = pack_examples([a[:2], b[:3]], [a[2:], b[3:]], seq_len=16, eos_id=0, pad_id=1)
+    assert packed.input_ids_NS.shape[0] == 1  # both in one block, then 2 pads
+    blocks = TokenBlocks(packed.input_ids_NS, packed.labels_NS, packed.segment_ids_NS)
+    alone_ids = torch.tensor([b + [0]])
+    with torch.no_grad():
+        alone = model(input_ids=alone_ids).logits[0]
+        packed_logits, _ = lm_forward(model, make_batch(blocks, slice(0, 1), True),
+                                      aux_loss=False)
+        joined, _ = lm_forward(model, make_batch(blocks, slice(0, 1), False), aux_loss=False)
+    torch.testing.assert_close(packed_logits[0, 6:14], alone, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(joined[0, 6:14], alone, rtol=1e-3, atol=1e-3)
+
+
+def test_each_rank_builds_only_its_own_batches():
+    """Ranks take the global batches j*W + r of one order (lrmoe.data.batches, epoch after
+    epoch) and gather only their own blocks."""
+    from lrmoe.data import TokenBlocks, batches
+    from lrmoe.training.batches import BatchStream
+
+    ids = torch.arange(23 * 3).reshape(23, 3)
+    order = [x for e in range(3)
+             for _, x, _ in batches(TokenBlocks(ids, ids.clone()), 4, seed=5, epoch=e)]
+
+    class Counting:
+        """input_ids that count the rows gathered."""
+
+        def __init__(self, t):
+            self.t, self.rows, self.shape = t, 0, t.shape
+
+        def __getitem__(self, index):
+            out = self.t[index]
+            self.rows += out.shape[0]
+            return out
+
+    class CountingBlocks:
+        def __init__(self, t):
+            self.input_ids, self.labels = Counting(t), t.clone()
+
+        def __len__(self):
+            return self.labels.shape[0]
+
+    for rank in (0, 1):
+        counted = CountingBlocks(ids)
+        stream = BatchStream(counted, 4, 5, world=2, rank=rank)
+        got = [stream.next() for _ in range(8)]
+        for j, (batch, tokens) in enumerate(got):
+            assert torch.equal(batch.input_ids_BS, order[2 * j + rank])
+            assert tokens == order[2 * j].numel() + order[2 * j + 1].numel()
+        assert counted.input_ids.rows == sum(order[2 * j + rank].shape[0] for j in range(8))
+    assert stream.position() == {"epoch": 2, "index": 4}  # 16 batches, 6 per epoch
+
+
+# ---------------------------------------------------------------------------- tensorboard, old runs
+def test_tensorboard_holds_the_logged_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = micro(tmp_path, steps=3, eval_every=0, tensorboard=True)
+    T.train(cfg)
+    out = Path(cfg.run.out_dir)
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    records = T.read_metrics(out / "metrics.jsonl")
+    for kind, key in (("train", "loss"), ("train", "lr"), ("train", "grad_norm"),
+                      ("train", "aux_loss"), ("train", "dropped_fraction"),
+                      ("eval", "val_loss"), ("eval", "val_ppl")):
+        want = [(r["step"], r[key]) for r in records if r["kind"] == kind]
+        got = [(e.step, e.value) for e in acc.Scalars(f"{kind}/{key}")]
+        assert [s for s, _ in got] == [s for s, _ in want], key
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6), key
+
+
+def test_flat_train_config_of_an_earlier_version_resumes(tmp_path):
+    cfg = micro(tmp_path, steps=2, eval_every=0)
+    T.train(cfg)
+    ckpt = T.find_checkpoint(None, cfg.run.out_dir)
+    nested = json.loads((ckpt / "train_config.json").read_text())
+    # the flat layout the previous version wrote: model nested, everything else top-level
+    flat = {"model": {k: v for k, v in nested["model"].items() if k != "init_from"},
+            "init_from": nested["model"]["init_from"]}
+    for section in ("data", "optim", "lrmoe", "parallel", "run"):
+        for key, value in nested[section].items():
+            if key not in ("isolate_examples", "tensorboard"):  # did not exist then
+                flat["data" if key == "source" else key] = value
+    (ckpt / "train_config.json").write_text(json.dumps(flat))
+    assert T.read_checkpoint_config(ckpt) == cfg
+    assert T.train(cfg.replace(steps=3), resume=ckpt).step == 3

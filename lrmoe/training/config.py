@@ -1,0 +1,583 @@
+"""Settings of ``lrmoe train``: one dataclass per section, validated once; key names and
+type coercion. Presets, YAML / ``--set`` composition and the resume check are in
+:mod:`lrmoe.training.compose`.
+
+Sections (the YAML nesting and the dotted ``--set`` names): ``model`` (:class:`ModelConfig`),
+``data`` (:class:`DataConfig`), ``optim`` (:class:`OptimConfig`), ``lrmoe``
+(:class:`LRMoESettings`), ``parallel`` (:class:`ParallelConfig`), ``run``
+(:class:`RunConfig`), gathered in :class:`TrainConfig`. Every field also has a flat name,
+its bare field name (``lr`` is ``optim.lr``, ``data`` is ``data.source``), the spelling of
+earlier versions: ``--set`` and YAML files accept it (``build_config`` notes each flat key
+of a YAML file), and :meth:`TrainConfig.from_dict` reads the flat form of a checkpoint's
+``train_config.json``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from lrmoe.ops import METRICS, QUOTA_RULES, SELECTIONS, rate_fraction
+
+DTYPES = ("auto", "float32", "bfloat16")
+PROGRESS = ("auto", "bar", "lines", "none")
+SECTIONS = ("model", "data", "optim", "lrmoe", "parallel", "run")
+#: Seeds feed torch generators and 64-bit C++ counters: [0, 2^63).
+SEED_LIMIT = 1 << 63
+#: LRMoE's sampling seed is run.seed modulo this: the layers add their offset
+#: (lrmoe.integrations.transformers.SEED_STRIDE) and the backward count in int64.
+LRMOE_SEED_MODULUS = 1 << 62
+
+# ====================================================================== checks
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(key: str, value: Any, low: int, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not _is_int(value) or value < low:
+        kind = {0: "an int >= 0", 1: "a positive int"}.get(low, f"an int >= {low}")
+        raise ValueError(f"{key} must be {kind}{' or null' if optional else ''}, got {value!r}")
+
+
+def _number(key: str, value: Any, positive: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{key} must be a finite number {'> 0' if positive else '>= 0'}, "
+                         f"got {value!r}")
+
+
+def _choice(key: str, value: Any, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def _path(key: str, value: Any, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{key} must be a non-empty path{' or null' if optional else ''}, "
+                         f"got {value!r}")
+
+
+# ====================================================================== sections
+@dataclass
+class ModelConfig:
+    """``model``: the architecture of a randomly initialised Qwen3-MoE model (transformers
+    ``Qwen3MoeConfig`` fields; the vocabulary size comes from the tokenizer), or the
+    checkpoint to fine-tune.
+
+    Attributes:
+        hidden_size: H, model width.
+        num_hidden_layers: decoder layers, every one with a sparse-MoE block.
+        num_attention_heads: query heads.
+        num_key_value_heads: key/value heads (grouped-query attention); divides
+            ``num_attention_heads``.
+        head_dim: width of one attention head.
+        intermediate_size: width of the dense MLP (only layers that
+            ``Qwen3MoeConfig.mlp_only_layers`` makes dense use it; none here).
+        moe_intermediate_size: I, width of each SwiGLU expert.
+        num_experts: E routed experts per layer.
+        num_experts_per_tok: K, experts per token (top-k), ``1 <= K <= E``.
+        norm_topk_prob: renormalise the K routing weights to sum to 1.
+        router_aux_loss_coef: weight of the load-balancing loss added to the LM loss.
+        max_position_embeddings: longest sequence the rotary embedding is set up for
+            (>= ``data.seq_len``).
+        init_from: directory of a transformers checkpoint (``config.json`` +
+            ``*.safetensors``) to fine-tune; its architecture then replaces the fields
+            above and its ``tokenizer.json``, when present, is used unless
+            ``data.tokenizer`` is set. None: random initialisation.
+    """
+
+    hidden_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 512
+    moe_intermediate_size: int = 128
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.01
+    max_position_embeddings: int = 2048
+    init_from: Optional[str] = None
+
+    def validate(self) -> None:
+        """Raises ValueError naming ``model.<field>`` on an invalid value."""
+        for f in dataclasses.fields(self):
+            if f.type in ("int", int):
+                _int(f"model.{f.name}", getattr(self, f.name), 1)
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ValueError(f"model.norm_topk_prob must be true or false, got "
+                             f"{self.norm_topk_prob!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                             f"model.num_experts={self.num_experts}; choose 1 <= K <= E")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"model.num_key_value_heads={self.num_key_value_heads} must divide "
+                f"model.num_attention_heads={self.num_attention_heads}")
+        _number("model.router_aux_loss_coef", self.router_aux_loss_coef)
+        _path("model.init_from", self.init_from)
+
+
+@dataclass
+class DataConfig:
+    """``data``: what is read and how it is cut into batches.
+
+    Attributes:
+        source: ``gcide`` (Alpaca-style definitions built from Debian's ``dict-gcide``),
+            ``alpaca:PATH`` (JSON list or JSONL with instruction / input / output) or
+            ``text:PATH`` (a plain-text file or a folder of them). Flat name: ``data``.
+        tokenizer: path of a ``tokenizer.json``; None trains a byte-level BPE on the
+            training split (cached in ``cache_dir``).
+        vocab_size: vocabulary size of a trained tokenizer.
+        max_records: use at most this many records (None: all).
+        val_fraction: share of records held out for validation, in (0, 1).
+        cache_dir: where tokenizers and tokenised data are cached; None:
+            ``$LRMOE_CACHE_DIR`` or ``~/.cache/lrmoe``.
+        seq_len: S, tokens per training sequence (block).
+        batch_size: B, sequences per micro-batch (per rank under expert parallelism).
+        grad_accum: micro-batches per optimizer step.
+        isolate_examples: the examples packed into one block do not attend to each other
+            and their positions restart at 0 (docs: README "Your own data or model");
+            False: a block is one causal sequence.
+    """
+
+    source: str = "gcide"
+    tokenizer: Optional[str] = None
+    vocab_size: int = 4096
+    max_records: Optional[int] = None
+    val_fraction: float = 0.02
+    cache_dir: Optional[str] = None
+    seq_len: int = 128
+    batch_size: int = 16
+    grad_accum: int = 1
+    isolate_examples: bool = True
+
+    def validate(self) -> None:
+        """Raises ValueError naming ``data.<field>`` on an invalid value."""
+        if not isinstance(self.source, str) or not (
+                self.source == "gcide" or self.source.startswith(("alpaca:", "text:"))):
+            raise ValueError(f"data.source must be gcide, alpaca:PATH or text:PATH; got "
+                             f"{self.source!r}")
+        for name in ("vocab_size", "seq_len", "batch_size", "grad_accum"):
+            _int(f"data.{name}", getattr(self, name), 1)
+        _int("data.max_records", self.max_records, 1, optional=True)
+        _number("data.val_fraction", self.val_fraction)
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction!r}")
+        _path("data.tokenizer", self.tokenizer)
+        _path("data.cache_dir", self.cache_dir)
+        if not isinstance(self.isolate_examples, bool):
+            raise ValueError(f"data.isolate_examples must be true or false, got "
+                             f"{self.isolate_examples!r}")
+
+
+@dataclass
+class OptimConfig:
+    """``optim``: AdamW and the learning-rate schedule (:mod:`lrmoe.training.optim`).
+
+    Attributes:
+        lr: peak learning rate (after warm-up).
+        min_lr: final learning rate of the cosine decay.
+        warmup_steps: linear warm-up from lr / warmup_steps to lr over this many steps.
+        lr_decay_steps: step at which the cosine reaches ``min_lr`` (it stays there after);
+            None: ``run.steps`` of the run that started the schedule (a resume keeps it).
+        weight_decay: AdamW decoupled weight decay (not applied to norms and biases).
+        betas: AdamW (beta1, beta2).
+        adam_eps: AdamW epsilon.
+        grad_clip: clip the global gradient norm to this value; 0 disables clipping (the
+            norm is still logged).
+    """
+
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    lr_decay_steps: Optional[int] = None
+    weight_decay: float = 0.1
+    betas: Tuple[float, float] = (0.9, 0.95)
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+
+    def validate(self) -> None:
+        """Raises ValueError naming ``optim.<field>`` on an invalid value."""
+        _number("optim.lr", self.lr, positive=True)
+        for name in ("min_lr", "weight_decay", "adam_eps", "grad_clip"):
+            _number(f"optim.{name}", getattr(self, name))
+        if self.min_lr > self.lr:
+            raise ValueError(f"optim.min_lr={self.min_lr} exceeds optim.lr={self.lr}; the "
+                             "cosine decays from lr to min_lr")
+        _int("optim.warmup_steps", self.warmup_steps, 0)
+        _int("optim.lr_decay_steps", self.lr_decay_steps, 1, optional=True)
+        if self.lr_decay_steps is not None and self.lr_decay_steps < self.warmup_steps:
+            raise ValueError(f"optim.lr_decay_steps={self.lr_decay_steps} is smaller than "
+                             f"optim.warmup_steps={self.warmup_steps}")
+        if (not isinstance(self.betas, tuple) or len(self.betas) != 2 or not all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0
+                for b in self.betas)):
+            raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas!r}")
+
+
+@dataclass
+class LRMoESettings:
+    """``lrmoe``: the planned backward of every MoE layer (:class:`lrmoe.LRMoEConfig`).
+
+    Attributes:
+        recalibration_rate: c in [0, 1), share of routed pairs whose expert backward is
+            dropped (0 = exact training). The quota arithmetic reads c as the nearest
+            fraction with denominator <= 2^20 (:func:`lrmoe.ops.rate_fraction`); a c that
+            rounds to 1 is refused.
+        metric: ``lrm``, ``grad_sq``, ``grad_abs`` or ``random``.
+        quota_rule: ``proportional`` or ``water_level``.
+        selection: ``topk`` or ``importance``.
+    """
+
+    recalibration_rate: float = 0.0
+    metric: str = "lrm"
+    quota_rule: str = "proportional"
+    selection: str = "topk"
+
+    def validate(self) -> None:
+        """Raises ValueError naming ``lrmoe.<field>`` on an invalid value."""
+        c = self.recalibration_rate
+        _number("lrmoe.recalibration_rate", c)
+        if not 0.0 <= c < 1.0:
+            raise ValueError(f"lrmoe.recalibration_rate must be in [0, 1), got {c!r} "
+                             "(0.1/0.2/0.3 are C10/C20/C30)")
+        p, q = rate_fraction(float(c))
+        if p == q:
+            raise ValueError(f"lrmoe.recalibration_rate={c!r} rounds to c = 1 in the quota "
+                             "arithmetic (nearest fraction with denominator <= 2^20): every "
+                             "expert backward would be dropped; use c <= 0.999999")
+        _choice("lrmoe.metric", self.metric, METRICS)
+        _choice("lrmoe.quota_rule", self.quota_rule, QUOTA_RULES)
+        _choice("lrmoe.selection", self.selection, SELECTIONS)
+
+
+@dataclass
+class ParallelConfig:
+    """``parallel``: how the run is spread over processes.
+
+    Attributes:
+        ep_size: expert-parallel size (``--ep N``); 1 = one process. N > 1 runs under
+            ``torchrun --nproc-per-node N`` (gloo on the CPU, NCCL on GPUs): every MoE
+            layer keeps E / N experts per rank (:mod:`lrmoe.parallel`), the rest is data
+            parallel, each rank builds and trains on its own batches (a step sees
+            N * batch_size sequences); rank 0 writes the run files and rank r > 0 its own
+            (expert shards in its checkpoints) to ``out_dir/ep-rank-r``.
+    """
+
+    ep_size: int = 1
+
+    def validate(self) -> None:
+        """Raises ValueError naming ``parallel.ep_size`` on an invalid value."""
+        _int("parallel.ep_size", self.ep_size, 1)
+
+
+@dataclass
+class RunConfig:
+    """``run``: length, seed, hardware, logging and checkpoints of the run.
+
+    Attributes:
+        steps: optimizer steps of the run (on resume: the step to stop at; may be raised
+            to extend a run).
+        seed: int in [0, 2^63): initialisation, data split and order, LRMoE's
+            ``random`` / ``importance`` selection (which takes it modulo 2^62, room for
+            the per-layer and per-step offsets in int64).
+        dtype: ``auto`` (bf16 autocast on CUDA, float32 on the CPU), ``float32`` or
+            ``bfloat16`` (autocast; parameters and optimizer state stay float32).
+        device: ``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``.
+        torch_threads: CPU threads of torch (0: torch's default).
+        eval_every: validation every this many steps (also at step 0 and at the end);
+            0: only at the start and the end.
+        eval_batches: validation batches per evaluation (0: the whole split).
+        log_every: a ``metrics.jsonl`` line every this many steps.
+        save_every: checkpoint every this many steps (0: only at the end and on Ctrl-C).
+        keep_checkpoints: keep the newest this many checkpoints.
+        out_dir: directory of the run's files.
+        progress: ``auto`` (a bar on a terminal, else a line every ~2 % of the run),
+            ``bar``, ``lines`` (a line every ``log_every`` steps) or ``none``.
+        record_trace: write the routed expert ids of every MoE layer to this ``.npz``
+            (:class:`lrmoe.trace.RoutingTrace`); None records nothing.
+        trace_every: record one optimizer step in this many.
+        tensorboard: also write the metrics as TensorBoard scalars to
+            ``out_dir/tensorboard/`` (needs the ``tensorboard`` package).
+    """
+
+    steps: int = 400
+    seed: int = 0
+    dtype: str = "auto"
+    device: str = "auto"
+    torch_threads: int = 0
+    eval_every: int = 50
+    eval_batches: int = 8
+    log_every: int = 1
+    save_every: int = 200
+    keep_checkpoints: int = 2
+    out_dir: str = "runs/tiny"
+    progress: str = "auto"
+    record_trace: Optional[str] = None
+    trace_every: int = 10
+    tensorboard: bool = False
+
+    def validate(self) -> None:
+        """Raises ValueError naming ``run.<field>`` on an invalid value."""
+        for name in ("steps", "log_every", "keep_checkpoints", "trace_every"):
+            _int(f"run.{name}", getattr(self, name), 1)
+        for name in ("torch_threads", "eval_every", "eval_batches", "save_every"):
+            _int(f"run.{name}", getattr(self, name), 0)
+        if not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"run.seed must be an int in [0, 2^63), got {self.seed!r} "
+                             f"({type(self.seed).__name__})")
+        _choice("run.dtype", self.dtype, DTYPES)
+        _choice("run.progress", self.progress, PROGRESS)
+        if not isinstance(self.device, str) or not (
+                self.device in ("auto", "cpu", "cuda") or
+                (self.device.startswith("cuda:") and self.device[5:].isdigit())):
+            raise ValueError(f"run.device must be auto, cpu, cuda or cuda:N; got "
+                             f"{self.device!r}")
+        _path("run.out_dir", self.out_dir, optional=False)
+        _path("run.record_trace", self.record_trace)
+        if not isinstance(self.tensorboard, bool):
+            raise ValueError(f"run.tensorboard must be true or false, got {self.tensorboard!r}")
+
+
+_SECTION_TYPES: Dict[str, type] = {
+    "model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "lrmoe": LRMoESettings,
+    "parallel": ParallelConfig, "run": RunConfig}
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a run of ``lrmoe train``: one field per section.
+
+    ``TrainConfig(model=..., run=...)`` takes section objects or mappings; missing sections
+    get their defaults. Validated on construction.
+
+    Raises:
+        ValueError: naming ``section.field``, on any invalid value (see :meth:`validate`).
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    lrmoe: LRMoESettings = field(default_factory=LRMoESettings)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in _SECTION_TYPES.items():
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                setattr(self, name, _section_from_mapping(cls, value, name))
+            elif not isinstance(value, cls):
+                raise ValueError(f"{name} must be a {cls.__name__} or a mapping of its "
+                                 f"fields, got {value!r}")
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every section, then the settings that span sections.
+
+        Raises:
+            ValueError: naming the field(s), the value and what is accepted.
+        """
+        for name in SECTIONS:
+            getattr(self, name).validate()
+        m, d, ep = self.model, self.data, self.parallel.ep_size
+        if m.init_from is None:
+            if d.seq_len > m.max_position_embeddings:
+                raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_position_"
+                                 f"embeddings={m.max_position_embeddings}; raise the latter")
+            check_ep_divides(m.num_experts, ep, "model.num_experts")
+
+    @property
+    def lrmoe_settings(self) -> Dict[str, Any]:
+        """Keyword arguments for ``patch_moe_blocks`` (the planned-backward settings)."""
+        s = self.lrmoe
+        return {"recalibration_rate": float(s.recalibration_rate), "metric": s.metric,
+                "quota_rule": s.quota_rule, "selection": s.selection,
+                "seed": self.run.seed % LRMOE_SEED_MODULUS}
+
+    def to_dict(self) -> Dict[str, Any]:
+        """A JSON/YAML-able nested dict (one mapping per section, ``betas`` a list)."""
+        d = dataclasses.asdict(self)
+        d["optim"]["betas"] = list(self.optim.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TrainConfig":
+        """Build from a nested mapping (as :meth:`to_dict` writes; missing fields get
+        their defaults) or from the flat form of earlier versions (top-level fields plus a
+        ``model`` mapping), coercing types.
+
+        Raises:
+            ValueError: an unknown key (with close matches) or a value of the wrong type.
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"config must be a mapping, got {data!r}")
+        nested: Dict[str, Any] = {}
+        for key, value in data.items():
+            if key in SECTIONS and isinstance(value, Mapping):
+                for k, v in value.items():
+                    _set(nested, resolve_key(f"{key}.{k}"), v)
+            else:
+                _set(nested, resolve_key(str(key)), value)
+        return cls(**{name: _section_from_mapping(_SECTION_TYPES[name], nested.get(name, {}),
+                                                  name) for name in SECTIONS})
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        """A validated copy. Keys: section names (a section object or a mapping replaces
+        the whole section) or flat field names (``lr=1e-3``, ``steps=5``, ``data="gcide"``).
+
+        Raises:
+            ValueError: an unknown key or an invalid value.
+        """
+        d = self.to_dict()
+        for key, value in changes.items():
+            if key in SECTIONS and dataclasses.is_dataclass(value):
+                d[key] = dataclasses.asdict(value)
+            elif key in SECTIONS and isinstance(value, Mapping):
+                d[key] = dict(value)
+            else:
+                _set(d, resolve_key(key), value)
+        return TrainConfig.from_dict(d)
+
+
+def check_ep_divides(num_experts: int, ep_size: int, what: str) -> None:
+    """Every EP rank holds E / ep_size experts.
+
+    Raises:
+        ValueError: ``ep_size`` does not divide ``num_experts`` (``what`` names where E
+            came from).
+    """
+    if num_experts % ep_size:
+        raise ValueError(f"parallel.ep_size={ep_size} must divide {what}={num_experts} (each "
+                         f"rank holds E / ep_size experts); choose --ep among "
+                         f"{[n for n in range(1, num_experts + 1) if num_experts % n == 0]}")
+
+
+# ====================================================================== keys
+#: dotted name -> (section, field, type hint)
+_FIELDS: Dict[str, Tuple[str, str, Any]] = {}
+#: flat (bare) name -> dotted name
+FLAT_KEYS: Dict[str, str] = {}
+for _sec, _cls in _SECTION_TYPES.items():
+    _hints = typing.get_type_hints(_cls)
+    for _f in dataclasses.fields(_cls):
+        _FIELDS[f"{_sec}.{_f.name}"] = (_sec, _f.name, _hints[_f.name])
+        assert _f.name not in FLAT_KEYS, _f.name  # flat names must stay unambiguous
+        FLAT_KEYS[_f.name] = f"{_sec}.{_f.name}"
+FLAT_KEYS["data"] = "data.source"
+
+
+def config_keys() -> List[str]:
+    """Every settable key, dotted (``section.field``)."""
+    return list(_FIELDS)
+
+
+def resolve_key(key: str) -> str:
+    """The dotted name of ``key``: a dotted name itself, or a flat name (``lr`` ->
+    ``optim.lr``).
+
+    Raises:
+        ValueError: an unknown key, with the closest names.
+    """
+    if key in _FIELDS:
+        return key
+    if key in FLAT_KEYS:
+        return FLAT_KEYS[key]
+    close = difflib.get_close_matches(key, list(_FIELDS), n=4, cutoff=0.5)
+    close += [FLAT_KEYS[k] for k in difflib.get_close_matches(key.split(".")[-1], FLAT_KEYS,
+                                                              n=3, cutoff=0.7)]
+    close = list(dict.fromkeys(close))
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise ValueError(f"unknown config key {key!r}{hint} (all keys: lrmoe train --print-config)")
+
+
+def _set(d: Dict[str, Any], dotted: str, value: Any) -> None:
+    section, name = dotted.split(".", 1)
+    d.setdefault(section, {})[name] = value
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Convert a YAML/JSON value to the annotated type ``hint`` (int, float, bool, str,
+    Optional[...], Tuple[float, float]). Ints stay ints: a float seed or step count is
+    refused unless it is integral (``1e3``)."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        return _coerce(value, args[0], key)
+    if origin in (tuple, Tuple):
+        if isinstance(value, str):
+            value = [v for v in value.replace("(", "").replace(")", "").split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{key} must be a list like [0.9, 0.95], got {value!r}")
+        args = typing.get_args(hint)
+        if len(value) != len(args):
+            raise ValueError(f"{key} must have {len(args)} entries, got {value!r}")
+        return tuple(_coerce(v, a, key) for v, a in zip(value, args))
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                try:
+                    value = float(value)
+                except ValueError:
+                    raise ValueError(f"{key} must be an int, got {value!r}") from None
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2.0 ** 53:
+            return int(value)  # exact: YAML reads 1e3 as a float
+        if not _is_int(value):
+            raise ValueError(f"{key} must be an int, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise ValueError(f"{key} must be a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ValueError(f"{key} must be a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _section_from_mapping(cls: type, data: Mapping[str, Any], section: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{section} must be a mapping of its fields, got {data!r}")
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{section}.{key}"
+        if dotted not in _FIELDS:
+            resolve_key(dotted)  # raises with close matches
+        kwargs[key] = _coerce(value, _FIELDS[dotted][2], dotted)
+    return cls(**kwargs)
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """Nested dict -> ``{"section.field": value}`` (tuples as lists)."""
+    out: Dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = list(v) if isinstance(v, tuple) else v
+    return out

@@ -1,0 +1,564 @@
+"""The :class:`Trainer`: builds every component of a run from its own config section and
+runs the loop.
+
+Order of a start (nothing is written into the run directory before set-up succeeded, so
+a failed or interrupted start leaves the directory as it was):
+
+1. checks that read only: the config, ``model.init_from`` / ``data.tokenizer`` paths, E
+   divisible by the EP size, the torchrun group (:mod:`lrmoe.training.distributed`), the
+   device, the run directory (a fresh run refuses one that holds a run) or the checkpoint
+   (a resume refuses incompatible settings);
+2. set-up: data (:mod:`lrmoe.data`), model (transformers, patched by
+   ``lrmoe.integrations.transformers.patch_moe_blocks``), optimizer
+   (:mod:`lrmoe.training.optim`), batch stream (:mod:`lrmoe.training.batches`);
+3. the run directory: stale ``.tmp-step-*`` saves removed, the files of an earlier run
+   replaced (fresh) or the checkpoint's log restored (resume), metrics opened
+   (:mod:`lrmoe.training.metrics`);
+4. the loop: steps, evaluations, checkpoints (:mod:`lrmoe.training.checkpoint`), Ctrl-C.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import shutil
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lrmoe.training import checkpoint as ckpt_io
+from lrmoe.training import distributed as dist_io
+from lrmoe.training.batches import BatchStream, micro_batches
+from lrmoe.training.compose import check_resume_compatible
+from lrmoe.training.config import TrainConfig, check_ep_divides
+from lrmoe.training.distributed import log
+from lrmoe.training.loss import autocast, causal_lm_nll, evaluate, lm_forward
+from lrmoe.training.metrics import (CURVE_FILE, METRICS_FILE, SUMMARY_FILE, TENSORBOARD_DIR,
+                                    MetricsLog, Progress, diagnostics_means, mean,
+                                    print_summary, read_metrics, write_loss_curve)
+from lrmoe.training.optim import build_optimizer
+
+RUN_FILES = (METRICS_FILE, CURVE_FILE, SUMMARY_FILE)
+
+
+@dataclass
+class TrainResult:
+    """What :meth:`Trainer.run` returns.
+
+    Attributes:
+        step: optimizer steps done (counting those before a resume).
+        interrupted: stopped by Ctrl-C (a checkpoint was saved).
+        out_dir: the run directory. checkpoint: the last checkpoint written (or None).
+        summary: the final summary (also in ``summary.json``).
+        model: the trained (patched) model.
+    """
+
+    step: int
+    interrupted: bool
+    out_dir: Path
+    checkpoint: Optional[Path]
+    summary: Dict[str, Any]
+    model: Any = None
+
+
+def holds_run(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a run that trained at least one step (a checkpoint, a
+    summary, or a train line in ``metrics.jsonl``); a folder left by a start that failed
+    before its first step may be reused."""
+    if ckpt_io.list_checkpoints(run_dir) or (run_dir / SUMMARY_FILE).exists():
+        return True
+    return any(r.get("kind") == "train" for r in read_metrics(run_dir / METRICS_FILE))
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"run.device={name!r} but torch sees no CUDA device (torch "
+                         f"{torch.__version__}, CUDA build: {torch.version.cuda}); use "
+                         "--device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"run.device={name!r} but torch sees {torch.cuda.device_count()} "
+                         "CUDA device(s)")
+    return dev
+
+
+def _cache_dir(cfg: TrainConfig) -> str:
+    return cfg.data.cache_dir or os.environ.get("LRMOE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "lrmoe")
+
+
+class Trainer:
+    """One training run; see :func:`lrmoe.train.train`.
+
+    Args:
+        cfg: the run's config.
+        resume: checkpoint directory to continue from, or None for a fresh run.
+        overwrite: a fresh run may replace the run files already in ``run.out_dir``.
+        step_callback: ``step_callback(trainer, step)`` after every step (tests, custom
+            logging); ``trainer.request_stop()`` ends the run like Ctrl-C.
+
+    Raises:
+        FileExistsError: a fresh run into an ``out_dir`` that holds a run, without
+            ``overwrite``.
+        ValueError: a config incompatible with the checkpoint (names each field), a bad
+            device, E not divisible by the EP size.
+        FileNotFoundError: missing checkpoint, ``init_from`` or tokenizer.
+    """
+
+    def __init__(self, cfg: TrainConfig, *, resume: Optional[str | os.PathLike] = None,
+                 overwrite: bool = False,
+                 step_callback: Optional[Callable[["Trainer", int], None]] = None) -> None:
+        cfg.validate()
+        self.cfg, self.overwrite, self.step_callback = cfg, overwrite, step_callback
+        self.tokenizer = self._check_inputs()
+        self.group, self.rank = dist_io.join(cfg.parallel.ep_size, cfg.run.device)
+        self.device = _resolve_device(dist_io.local_device(cfg.run.device))
+        # ranks > 0 keep their files (expert shards) in out_dir/ep-rank-r
+        self.out_dir = Path(cfg.run.out_dir)
+        if self.rank > 0:
+            self.out_dir = self.out_dir / f"ep-rank-{self.rank}"
+            if resume is not None:  # this rank's shard of the same checkpoint
+                c = Path(resume)
+                resume = c.parent.parent / f"ep-rank-{self.rank}" / c.parent.name / c.name
+        # expert shards are saved per rank only when there is more than one rank: at EP
+        # size 1 rank 0 holds every expert and writes an ordinary transformers checkpoint
+        self.sharded = cfg.parallel.ep_size > 1
+        self.stop_requested = False
+        self._stop_all = False  # expert parallel: some rank asked to stop (agreed)
+        self.step = 0
+        self.last_checkpoint: Optional[Path] = None
+        self._last_saved_step = -1
+        self._state: Optional[Dict[str, Any]] = None
+        self.resume_from = Path(resume) if resume is not None else None
+        if self.resume_from is not None:
+            self._check_resume()
+        else:
+            self._check_fresh()
+
+    # ------------------------------------------------------------------ checks (no writes)
+    def _check_inputs(self) -> Optional[str]:
+        """Paths and E % EP, before any process group, data or model; returns the
+        tokenizer file to use."""
+        m, d = self.cfg.model, self.cfg.data
+        tokenizer = d.tokenizer
+        if m.init_from is not None:
+            src = Path(m.init_from)
+            if not (src / "config.json").is_file():
+                raise FileNotFoundError(f"model.init_from {src}: no config.json; expected a "
+                                        "transformers checkpoint directory (save_pretrained)")
+            hf = json.loads((src / "config.json").read_text())
+            experts = hf.get("num_experts") or hf.get("num_local_experts")
+            if isinstance(experts, int):
+                check_ep_divides(experts, self.cfg.parallel.ep_size,
+                                 f"num_experts of {src}/config.json")
+            if tokenizer is None and (src / "tokenizer.json").is_file():
+                tokenizer = str(src / "tokenizer.json")
+        if tokenizer is not None and not Path(tokenizer).is_file():
+            raise FileNotFoundError(f"data.tokenizer {tokenizer}: no such file (a tokenizers "
+                                    "tokenizer.json)")
+        return tokenizer
+
+    def _check_resume(self) -> None:
+        ckpt = self.resume_from
+        assert ckpt is not None
+        if not (ckpt / ckpt_io.STATE_FILE).is_file():
+            if self.rank > 0:
+                raise FileNotFoundError(
+                    f"no checkpoint of EP rank {self.rank} at {ckpt}: the checkpoint was "
+                    "written with another EP size (or without --ep); resume with the --ep "
+                    "it was saved with")
+            raise FileNotFoundError(f"{ckpt} is not a checkpoint (no {ckpt_io.STATE_FILE}); "
+                                    "pass a checkpoint directory (checkpoints/step-XXXXXXXX) "
+                                    "or a run directory")
+        saved = ckpt_io.read_checkpoint_config(ckpt)
+        self._state = torch.load(ckpt / ckpt_io.STATE_FILE, map_location="cpu",
+                                 weights_only=True)
+        self.decay_steps = int(self._state["lr_decay_steps"])
+        check_resume_compatible(saved, self.cfg, self.decay_steps)
+
+    def _check_fresh(self) -> None:
+        self.decay_steps = self.cfg.optim.lr_decay_steps or self.cfg.run.steps
+        # every rank refuses a run dir holding a run before it writes anything
+        root = Path(self.cfg.run.out_dir)
+        if not self.overwrite and (holds_run(self.out_dir) or holds_run(root)):
+            ckpts = ckpt_io.list_checkpoints(root)
+            last = f" (last checkpoint: {ckpts[-1].name})" if ckpts else ""
+            raise FileExistsError(f"{root} already holds a run{last}; continue it with "
+                                  "--resume, start over with --overwrite, or choose another "
+                                  "--out")
+
+    # ------------------------------------------------------------------ set-up
+    def _setup(self) -> None:
+        from lrmoe.data import load_data
+        from lrmoe.integrations.transformers import patch_moe_blocks
+
+        cfg = self.cfg
+        import transformers
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        if cfg.run.torch_threads:
+            torch.set_num_threads(cfg.run.torch_threads)
+        self.autocast_dtype = (None if cfg.run.dtype == "float32" or (
+            cfg.run.dtype == "auto" and self.device.type != "cuda") else torch.bfloat16)
+        if self.device.type == "cuda":
+            if self.device.index is not None:
+                torch.cuda.set_device(self.device)
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+            torch.cuda.reset_peak_memory_stats(self.device)
+        t = time.perf_counter()
+        d = cfg.data
+        self.data = dist_io.rank0_first(self.group, self.rank, lambda: load_data(
+            d.source, seq_len=d.seq_len, cache_dir=_cache_dir(cfg), tokenizer=self.tokenizer,
+            vocab_size=d.vocab_size, val_fraction=d.val_fraction, max_records=d.max_records,
+            seed=cfg.run.seed), "loading the data")
+        for line in self.data.report.lines():
+            log(line)
+        log(f"data ready in {time.perf_counter() - t:.1f} s: {len(self.data.train)} training "
+            f"and {len(self.data.val)} validation sequences of {d.seq_len} tokens, vocab "
+            f"{self.data.vocab_size}")
+        if len(self.data.train) < d.batch_size:
+            raise ValueError(f"the training split has {len(self.data.train)} sequences, fewer "
+                             f"than data.batch_size={d.batch_size}; lower it or add data")
+        if len(self.data.val) == 0:
+            raise ValueError("the validation split is empty; raise data.val_fraction or add "
+                             "data")
+        self.data_fingerprint = {
+            "train_sequences": len(self.data.train), "val_sequences": len(self.data.val),
+            "tokenizer_sha256": ckpt_io.file_sha256(self.data.tokenizer_path),
+            "train_ids_sum": int(self.data.train.input_ids.sum()),
+            "val_ids_sum": int(self.data.val.input_ids.sum())}
+        if self._state is not None:
+            saved = self._state["data_fingerprint"]
+            diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}"
+                     for k, v in self.data_fingerprint.items() if saved.get(k) != v]
+            if diffs:
+                raise ValueError("cannot resume: the data differ from the checkpoint's (the "
+                                 "data files or the tokenizer changed):\n  " + "\n  ".join(diffs))
+
+        self.model = self._build_model()
+        patched = patch_moe_blocks(self.model, ep_group=self.group, **cfg.lrmoe_settings)
+        if not patched:
+            raise ValueError(f"the model ({type(self.model).__name__}) has no sparse-MoE block "
+                             "that lrmoe can replace")
+        self.lrmoe_layers = dict(patched)
+        if self.sharded and self.resume_from is not None:
+            ckpt_io.load_ep_weights(self.model, self.resume_from)
+        self.trace = None
+        if cfg.run.record_trace:
+            from lrmoe.trace import RoutingTrace
+            hf = self.model.config
+            self.trace = RoutingTrace(hf.num_experts, hf.num_experts_per_tok,
+                                      cfg.run.trace_every)
+            for index, (_, layer) in enumerate(patched):
+                layer.trace, layer.layer_index = self.trace, index
+        self.model.to(self.device)
+        self.model.train()
+        self.aux_coef = float(getattr(self.model.config, "router_aux_loss_coef", 0.0) or 0.0)
+        self.optimizer, self.scheduler = build_optimizer(cfg.optim, self.model, self.device,
+                                                         self.decay_steps)
+        position = self._state["data_position"] if self._state is not None else {}
+        self.stream = BatchStream(
+            self.data.train, d.batch_size, cfg.run.seed, world=cfg.parallel.ep_size,
+            rank=self.rank, isolate_examples=d.isolate_examples,
+            **{k: int(v) for k, v in position.items()})
+        self.tokens_seen, self.elapsed_before = 0, 0.0
+        if self._state is not None:
+            self._load_state(self._state)
+
+    def _build_model(self) -> nn.Module:
+        from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        cfg = self.cfg
+        m = cfg.model
+        source = self.resume_from or (Path(m.init_from) if m.init_from else None)
+        if self.sharded and self.resume_from is not None:
+            source = None  # expert-sharded weights: built whole, sharded, then loaded
+        if source is not None:
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+            if self.data.vocab_size > model.config.vocab_size:
+                raise ValueError(f"the tokenizer has {self.data.vocab_size} tokens but the model "
+                                 f"{source} only {model.config.vocab_size} embeddings; use the "
+                                 "model's tokenizer (--tokenizer DIR/tokenizer.json)")
+            log(f"model: {type(model).__name__} from {source}")
+        else:
+            torch.manual_seed(cfg.run.seed)
+            hf = Qwen3MoeConfig(
+                vocab_size=self.data.vocab_size, hidden_size=m.hidden_size,
+                num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
+                num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim,
+                intermediate_size=m.intermediate_size,
+                moe_intermediate_size=m.moe_intermediate_size, num_experts=m.num_experts,
+                num_experts_per_tok=m.num_experts_per_tok, norm_topk_prob=m.norm_topk_prob,
+                router_aux_loss_coef=m.router_aux_loss_coef,
+                max_position_embeddings=m.max_position_embeddings,
+                pad_token_id=self.data.pad_id, eos_token_id=self.data.eos_id,
+                bos_token_id=None, tie_word_embeddings=False)
+            model = Qwen3MoeForCausalLM(hf)
+            log("model: Qwen3MoeForCausalLM, random init")
+        self.num_params = sum(p.numel() for p in model.parameters())
+        log(f"model: {self.num_params / 1e6:.2f} M parameters")
+        return model
+
+    def _load_state(self, state: Dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        counters = state["lrmoe_backward_steps"]
+        for name, layer in self.lrmoe_layers.items():
+            layer.stats.backward_steps = int(counters[name])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.elapsed_before = float(state["elapsed_s"])
+        self._last_saved_step = self.step
+        self.last_checkpoint = self.resume_from
+        log(f"resumed from {self.resume_from} at step {self.step} (epoch "
+            f"{self.stream.epoch}, batch {self.stream.index})")
+
+    def _open_run_dir(self) -> None:
+        """Set-up succeeded: from here on the run directory is written."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ckpt_io.remove_stale_saves(self.out_dir):
+            log(f"removed {stale}, left by a save that was interrupted")
+        metrics = self.out_dir / METRICS_FILE
+        if self.resume_from is not None:
+            # the log up to the checkpoint's step: the resumed file equals a straight run's
+            shutil.copyfile(self.resume_from / METRICS_FILE, metrics)
+        else:
+            for name in RUN_FILES:
+                (self.out_dir / name).unlink(missing_ok=True)
+            for name in ("checkpoints", TENSORBOARD_DIR):
+                shutil.rmtree(self.out_dir / name, ignore_errors=True)
+            metrics.write_text("")
+        tb = self.out_dir / TENSORBOARD_DIR if self.cfg.run.tensorboard and self.rank == 0 \
+            else None
+        self.metrics = MetricsLog(metrics, tb, purge_step=self.step + 1 if self.step else None)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        """Write ``checkpoints/step-XXXXXXXX`` atomically and keep the newest
+        ``run.keep_checkpoints``. Returns the checkpoint directory."""
+        self.metrics.flush()
+        metrics = self.out_dir / METRICS_FILE
+        state = {
+            "format": 1, "step": self.step,
+            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "rng": ckpt_io.rng_state(), "data_position": self.stream.position(),
+            "lrmoe_backward_steps": {n: int(l.stats.backward_steps)
+                                     for n, l in self.lrmoe_layers.items()},
+            "lr_decay_steps": int(self.decay_steps), "tokens_seen": int(self.tokens_seen),
+            "elapsed_s": float(self.elapsed_before + time.perf_counter() - self._t_start),
+            "metrics_bytes": int(metrics.stat().st_size),
+            "data_fingerprint": self.data_fingerprint,
+            "ep_size": int(self.cfg.parallel.ep_size), "ep_rank": int(self.rank)}
+        final = ckpt_io.save_checkpoint(
+            self.out_dir, self.step, model=self.model, cfg=self.cfg, state=state,
+            tokenizer_path=self.data.tokenizer_path, metrics_path=metrics,
+            sharded_rank=self.rank if self.sharded else None,
+            keep=self.cfg.run.keep_checkpoints)
+        self._last_saved_step, self.last_checkpoint = self.step, final
+        return final
+
+    # ------------------------------------------------------------------ signals
+    def request_stop(self) -> None:
+        """End the run after the current step, with a checkpoint (what Ctrl-C does)."""
+        self.stop_requested = True
+
+    def _stop_agreed(self) -> bool:
+        # under EP every rank stops after the same step: the flags ride on the step's
+        # loss all-reduce (distributed.reduce_step_totals)
+        return self._stop_all if self.group is not None else self.stop_requested
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        self.request_stop()
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts
+        log(f"Ctrl-C: stopping after the step in progress ({self.step} done) and saving a "
+            "checkpoint (Ctrl-C again aborts without saving)")
+
+    # ------------------------------------------------------------------ the loop
+    def _train_step(self) -> Dict[str, Any]:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        micro, tokens = micro_batches(self.stream, cfg.data.grad_accum)
+        num_loss = sum(b.num_loss_tokens() for b in micro)
+        denom = max(num_loss, 1)
+        self.optimizer.zero_grad(set_to_none=True)
+        nll_total = torch.zeros((), dtype=torch.float32, device=self.device)
+        aux_total: Optional[Tensor] = None
+        for batch in micro:
+            batch = batch.to(self.device)
+            with autocast(self.device, self.autocast_dtype):
+                logits, aux = lm_forward(self.model, batch, aux_loss=True)
+            nll, _ = causal_lm_nll(logits, batch.labels_BS)
+            loss = nll / denom
+            if aux is not None:
+                loss = loss + self.aux_coef * aux / cfg.data.grad_accum
+                aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
+            loss.backward()
+            nll_total += nll.detach()
+        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+        if self.group is not None:
+            from lrmoe import parallel
+
+            # loss = mean of the ranks' losses: average dense grads, scale expert grads
+            parallel.allreduce_non_expert_grads(self.model, self.group)
+            grad_norm = parallel.clip_grad_norm_(self.model, max_norm, self.group)
+            nll_total, num_loss, stop = dist_io.reduce_step_totals(
+                self.group, nll_total, num_loss, self.stop_requested)
+            if stop:
+                self._stop_all = self.stop_requested = True
+            denom = max(num_loss, 1)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        if self.trace is not None:
+            self.trace.step = self.step
+        lm_loss = float(nll_total) / denom
+        if not math.isfinite(lm_loss):
+            raise FloatingPointError(f"step {self.step}: the loss is {lm_loss}; lower optim.lr "
+                                     f"(now {cfg.optim.lr}) or raise optim.warmup_steps")
+        self.tokens_seen += tokens
+        dt = time.perf_counter() - t0
+        return {"kind": "train", "step": self.step, "loss": lm_loss,
+                "ppl": math.exp(min(lm_loss, 700.0)),
+                "aux_loss": None if aux_total is None else float(aux_total) / cfg.data.grad_accum,
+                "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens,
+                "loss_tokens": num_loss, "tokens_per_s": tokens / dt if dt > 0 else None,
+                "time_s": dt}
+
+    def _evaluate(self, progress: Optional[Progress]) -> Dict[str, Any]:
+        cfg = self.cfg
+        res = evaluate(self.model, self.data.val, cfg.data.batch_size, cfg.run.eval_batches,
+                       self.device, self.autocast_dtype, cfg.data.isolate_examples)
+        record = {"kind": "eval", "step": self.step, **res}
+        self.metrics.write(record)
+        self._evals.append(record)
+        text = f"step {self.step}: validation loss {res['val_loss']:.4f}, ppl {res['val_ppl']:.2f}"
+        progress.write(text) if progress is not None else log(text)
+        write_loss_curve(self.out_dir / METRICS_FILE, self.out_dir / CURVE_FILE,
+                         title=self._plot_title())
+        return record
+
+    def _plot_title(self) -> str:
+        c = self.cfg
+        return (f"{Path(c.run.out_dir).name}: c={c.lrmoe.recalibration_rate:g}, "
+                f"metric={c.lrmoe.metric}")
+
+    def run(self) -> TrainResult:
+        """Set up, train to ``run.steps`` (or Ctrl-C), save, summarise. torch's thread
+        count is restored afterwards."""
+        threads = torch.get_num_threads()
+        try:
+            return self._run()
+        finally:
+            torch.set_num_threads(threads)
+
+    def _run(self) -> TrainResult:
+        self._setup()
+        cfg, steps = self.cfg, self.cfg.run.steps
+        if self.resume_from is not None and self.step >= steps:
+            # nothing to train: leave the finished run's metrics and summary as they are
+            log(f"the run in {self.out_dir} is complete at step {self.step} (run.steps="
+                f"{steps}); pass --steps N with N > {self.step} to train further")
+            summary_file = self.out_dir / SUMMARY_FILE
+            summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+            return TrainResult(self.step, False, self.out_dir, self.resume_from, summary,
+                               self.model)
+        self._open_run_dir()
+        self._t_start = time.perf_counter()
+        self._evals: List[Dict[str, Any]] = []
+        self._records: List[Dict[str, Any]] = []
+        start_step, interrupted, old_handler = self.step, False, None
+        if threading.current_thread() is threading.main_thread():
+            old_handler = signal.signal(signal.SIGINT, self._on_sigint)
+        progress: Optional[Progress] = None
+        try:
+            if self._state is not None:
+                ckpt_io.set_rng_state(self._state["rng"])
+            else:
+                self._evaluate(None)
+            progress = Progress(cfg.run.progress if self.rank == 0 else "none", steps,
+                                self.step, cfg.run.log_every)
+            s = cfg.lrmoe
+            log(f"training steps {self.step + 1}..{steps} on {self.device} "
+                f"({'bf16 autocast' if self.autocast_dtype else 'float32'}); LRMoE "
+                f"c={s.recalibration_rate:g} metric={s.metric} quota={s.quota_rule} "
+                f"selection={s.selection}; Ctrl-C saves and stops")
+            while self.step < steps and not self._stop_agreed():
+                record = self._train_step()
+                if self.step % cfg.run.log_every == 0 or self.step == steps:
+                    record.update(diagnostics_means(self.model))
+                    self._records.append(record)
+                    self.metrics.write(record)
+                progress.update(self.step, steps, record)
+                if cfg.run.eval_every and self.step % cfg.run.eval_every == 0:
+                    self._evaluate(progress)
+                if self.step_callback is not None:
+                    self.step_callback(self, self.step)
+                if cfg.run.save_every and self.step % cfg.run.save_every == 0:
+                    self.save_checkpoint()
+            interrupted = self.stop_requested and self.step < steps
+            if self._last_saved_step != self.step:
+                self.save_checkpoint()
+            if not interrupted and not (self._evals and self._evals[-1]["step"] == self.step):
+                self._evaluate(progress)  # after the checkpoint: a resume drops this line
+        finally:
+            if progress is not None:
+                progress.close()
+            if old_handler is not None:
+                signal.signal(signal.SIGINT, old_handler)
+            self.metrics.close()
+        if self.trace is not None and self.trace.records:
+            log(f"routing trace: {self.trace.save(cfg.run.record_trace)}")
+        write_loss_curve(self.out_dir / METRICS_FILE, self.out_dir / CURVE_FILE,
+                         title=self._plot_title())
+        summary = self._summary(start_step, interrupted)
+        (self.out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        if self.rank == 0:
+            print_summary(summary)
+        if interrupted:
+            ep = cfg.parallel.ep_size
+            launch = (f"torchrun --nproc-per-node {ep} -m lrmoe train --ep {ep}"
+                      if self.group is not None else "lrmoe train")
+            log(f"interrupted at step {self.step}; checkpoint {self.last_checkpoint}. "
+                f"Continue with: {launch} --out {cfg.run.out_dir} --resume")
+        return TrainResult(step=self.step, interrupted=interrupted, out_dir=self.out_dir,
+                           checkpoint=self.last_checkpoint, summary=summary, model=self.model)
+
+    def _summary(self, start_step: int, interrupted: bool) -> Dict[str, Any]:
+        wall = time.perf_counter() - self._t_start
+        evals = [r for r in read_metrics(self.out_dir / METRICS_FILE) if r["kind"] == "eval"]
+        run_tokens = sum(r["tokens"] for r in self._records)
+        if self.device.type == "cuda":
+            memory = {"peak_cuda_memory_gib": torch.cuda.max_memory_allocated(self.device) / 2**30}
+        else:
+            memory = {"max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+        train_time = sum(r["time_s"] for r in self._records)
+        return {
+            "steps": self.step, "steps_this_run": self.step - start_step,
+            "interrupted": interrupted, "tokens": self.tokens_seen, "wall_time_s": wall,
+            "tokens_per_s": run_tokens / train_time if train_time > 0 else None,
+            "params_millions": self.num_params / 1e6,
+            "first_val_ppl": evals[0]["val_ppl"] if evals else None,
+            "first_val_step": evals[0]["step"] if evals else None,
+            "last_val_ppl": evals[-1]["val_ppl"] if evals else None,
+            "last_val_step": evals[-1]["step"] if evals else None,
+            "last_train_loss": self._records[-1]["loss"] if self._records else None,
+            "dropped_fraction": mean([r.get("dropped_fraction") for r in self._records]),
+            "retained_mass": mean([r.get("retained_mass") for r in self._records]),
+            "device": str(self.device), **memory,
+            "recalibration_rate": self.cfg.lrmoe.recalibration_rate,
+            "metric": self.cfg.lrmoe.metric, "out_dir": str(self.out_dir),
+            "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+        }
