@@ -99,6 +99,14 @@ class LRMoEConfig:
                 f"LRMoEConfig.selective_backward=False runs the exact backward, but "
                 f"recalibration_rate={c}; set recalibration_rate=0 or selective_backward=True")
         self.rate_pq = rate_fraction(c)
+        if self.rate_pq[0] == self.rate_pq[1]:
+            raise ValueError(
+                f"LRMoEConfig.recalibration_rate={c!r} rounds to c = 1 (the quota arithmetic "
+                "reads c as the nearest fraction with denominator <= 2**20): every pair "
+                "would be dropped; choose c <= 1 - 2**-20")
+        seed = self.seed
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 63:
+            raise ValueError(f"LRMoEConfig.seed must be an int in [0, 2**63), got {seed!r}")
         if self.routed_scaling_factor <= 0 or not math.isfinite(self.routed_scaling_factor):
             raise ValueError("LRMoEConfig.routed_scaling_factor must be a positive finite "
                              f"float, got {self.routed_scaling_factor!r}")

@@ -206,7 +206,7 @@ def select_pairs(cfg: LRMoEConfig, stats: BackwardStats, g_TH: Tensor, weights_T
 
     Writes ``stats.quota_E``, ``retained_mass``, ``num_retained``, ``kept_pair_R`` and
     advances ``stats.backward_steps`` (whose value offsets the seed of ``random`` and
-    ``importance``: seed = ``cfg.seed + backward_steps``).
+    ``importance``: seed = ``(cfg.seed + backward_steps) mod 2**63``).
 
     Args:
         cfg: the layer config (metric, selection, ``selective_backward``).
@@ -225,7 +225,8 @@ def select_pairs(cfg: LRMoEConfig, stats: BackwardStats, g_TH: Tensor, weights_T
         grad_weights_TK = ops.routing_weight_grad(g_TH, y_PH, pair_row_P, top_k)
     alpha_P = weights_TK.detach().reshape(-1).float()
     if cfg.selective_backward:
-        seed = cfg.seed + stats.backward_steps
+        # int64 on the op side: layer offsets and step counts wrap instead of overflowing
+        seed = (cfg.seed + stats.backward_steps) % (1 << 63)
         with phase("lrmoe.score"):
             score_P = ops.score(g_TH, weights_TK.detach(), phi_sq_P, row_pair_P, cfg.metric,
                                 seed)

@@ -262,7 +262,8 @@ def _check_setting_names(settings: Mapping, where: str) -> None:
 
 
 def _layer_seed(seed: int, layer_index: int) -> int:
-    return int(seed) + layer_index * SEED_STRIDE
+    # modulo 2**63: the seed of every layer stays a valid LRMoEConfig.seed (int64)
+    return (int(seed) + layer_index * SEED_STRIDE) % (1 << 63)
 
 
 def _model_type(model: nn.Module) -> str:
@@ -366,7 +367,7 @@ def patch_moe_blocks(model: nn.Module, settings: Any = None, /, *, ep_group: Any
             selective_backward`` (e.g. an :class:`LRMoEConfig`; only those are read).
         **overrides: the same fields as keywords (they win over ``settings``); also
             ``router_aux_loss_coef`` / ``router_z_loss_coef`` of ``layer.aux_loss``.
-            Layer i gets the seed ``seed + i * SEED_STRIDE``.
+            Layer i gets the seed ``(seed + i * SEED_STRIDE) mod 2**63``.
         ep_group: optional ``torch.distributed`` group for expert parallelism
             (:mod:`lrmoe.parallel`): each layer keeps only this rank's E / W experts (a
             collective over the group; every rank must patch the same model).

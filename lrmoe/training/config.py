@@ -27,10 +27,6 @@ PROGRESS = ("auto", "bar", "lines", "none")
 SECTIONS = ("model", "data", "optim", "lrmoe", "parallel", "run")
 #: Seeds feed torch generators and 64-bit C++ counters: [0, 2^63).
 SEED_LIMIT = 1 << 63
-#: LRMoE's sampling seed is run.seed modulo this: the layers add their offset
-#: (lrmoe.integrations.transformers.SEED_STRIDE) and the backward count in int64.
-LRMOE_SEED_MODULUS = 1 << 62
-
 # ====================================================================== checks
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -402,7 +398,7 @@ class TrainConfig:
         s = self.lrmoe
         return {"recalibration_rate": float(s.recalibration_rate), "metric": s.metric,
                 "quota_rule": s.quota_rule, "selection": s.selection,
-                "seed": self.run.seed % LRMOE_SEED_MODULUS}
+                "seed": self.run.seed}
 
     def to_dict(self) -> Dict[str, Any]:
         """A JSON/YAML-able nested dict (one mapping per section, ``betas`` a list)."""

@@ -95,12 +95,14 @@ def mean(values: Sequence[Optional[float]]) -> Optional[float]:
 
 
 def diagnostics_means(model: nn.Module) -> Dict[str, Optional[float]]:
-    """The LRMoE diagnostics of the last step (:data:`DIAGNOSTIC_KEYS`), mean over the MoE
-    layers (``lrmoe.integrations.transformers.collect_diagnostics``)."""
-    from lrmoe.integrations.transformers import collect_diagnostics
+    """The LRMoE diagnostics of the last step (:data:`DIAGNOSTIC_KEYS`) over the MoE
+    layers: ``lrmoe.integrations.transformers.summarize_diagnostics`` (the dropped
+    fraction pooled over the layers' pairs -- its one definition,
+    ``lrmoe.experts.dropped_fraction`` --, the other keys means over the layers)."""
+    from lrmoe.integrations.transformers import collect_diagnostics, summarize_diagnostics
 
-    diags = collect_diagnostics(model)
-    return {k: mean([d.get(k) for d in diags.values()]) for k in DIAGNOSTIC_KEYS}
+    summary = summarize_diagnostics(collect_diagnostics(model))
+    return {k: summary.get(k) for k in DIAGNOSTIC_KEYS}
 
 
 class Progress:

@@ -348,11 +348,32 @@ def test_torch_compile_traces_the_layer():
     (dict(quota_rule="equal"), "quota_rule must be one of"),
     (dict(selection="greedy"), "selection must be one of"),
     (dict(selective_backward=False, recalibration_rate=0.2), "selective_backward=False"),
+    (dict(recalibration_rate=1 - 2 ** -22), "rounds to c = 1"),
+    (dict(seed=-1), r"seed must be an int in \[0, 2\*\*63\)"),
+    (dict(seed=1 << 63), r"seed must be an int in \[0, 2\*\*63\)"),
+    (dict(seed=1.5), r"seed must be an int in \[0, 2\*\*63\)"),
+    (dict(seed="0"), r"seed must be an int in \[0, 2\*\*63\)"),
 ])
 def test_bad_config_is_refused(kw, match):
     base = dict(hidden_size=16, moe_intermediate_size=8, num_experts=6, top_k=2)
     with pytest.raises(ValueError, match=match):
         LRMoEConfig(**{**base, **kw})
+
+
+def test_largest_seed_wraps_instead_of_overflowing():
+    # seed + backward count passes 2**63 at the second backward: it must wrap (the op
+    # takes int64), and the wrapped draw must equal a layer seeded with the wrapped value
+    kw = dict(hidden_size=16, moe_intermediate_size=8, num_experts=6, top_k=2,
+              recalibration_rate=0.5, metric="random")
+    x = torch.randn(12, 16)
+    kept = []
+    for seed, skip in (((1 << 63) - 1, 1), (0, 0)):
+        torch.manual_seed(0)
+        layer = LRMoELayer(LRMoEConfig(**kw, seed=seed))
+        for _ in range(skip + 1):
+            layer(x).sum().backward()
+        kept.append(layer.stats.kept_pair_R.sort().values)
+    assert torch.equal(kept[0], kept[1])
 
 
 def test_bad_inputs_are_refused():
