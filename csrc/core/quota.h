@@ -6,7 +6,7 @@
 //
 // Legend: E experts, n_E routed pairs per expert (tokens_per_expert),
 // N = sum(n_E), c = recalibration rate in [0, 1), keep = 1 - c.
-// Source: docs/algorithm.md and ../shared/DESIGN.md section 1 ("Quotas").
+// Source: docs/algorithm.md section 3 ("Retention quotas").
 #pragma once
 
 #include <math.h>  // llrint, ldexp: host and device (CUDA math API)

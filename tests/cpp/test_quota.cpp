@@ -301,7 +301,7 @@ TEST(WaterLevel, CutsHotExpertsHarderThanProportional) {
   // One hot expert (100) and seven cold ones (10 each), c = 1/5: N = 170, S = 136.
   // Proportional: 0.8 * [100, 10...] = [80, 8 x 7] (exact, sum 136).
   // Water level: for L >= 10, L + 70 <= 136 -> L = 66: [66, 10 x 7]; check
-  // against DESIGN.md's tau: sum max(0, n - 66) = 34 = 0.2 * 170.
+  // against the water level tau of docs/algorithm.md section 3: sum max(0, n - 66) = 34 = 0.2 * 170.
   const Loads n{100, 10, 10, 10, 10, 10, 10, 10};
   const auto prop = quotas(QuotaRule::kProportional, n, 0.2);
   const auto water = quotas(QuotaRule::kWaterLevel, n, 0.2);

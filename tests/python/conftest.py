@@ -1,7 +1,7 @@
 """Shared test fixtures and the independent float64 references.
 
 Everything here is plain PyTorch (or plain Python), written from the definitions in
-DESIGN.md section 1 -- never from the code under test.
+docs/algorithm.md -- never from the code under test.
 """
 from __future__ import annotations
 
