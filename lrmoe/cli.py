@@ -56,6 +56,9 @@ def _add_train_parser(sub: Any) -> None:
     p.add_argument("--tensorboard", action="store_true", default=None,
                    help="also write the metrics as TensorBoard scalars to OUT/tensorboard "
                         "(run.tensorboard)")
+    p.add_argument("--time-moe", action="store_true", default=None, dest="time_moe",
+                   help="log moe_time_ms per step: the MoE layers' forward + backward time "
+                        "(run.time_moe)")
     p.add_argument("--record-trace", metavar="PATH", dest="record_trace",
                    help="save the routed expert ids (.npz) for `lrmoe bench layer --routing "
                         "trace`")
@@ -123,7 +126,8 @@ def _train_overrides(args: argparse.Namespace) -> Dict[str, Any]:
             "quota_rule": args.quota_rule, "selection": args.selection, "steps": args.steps,
             "data": args.data, "tokenizer": args.tokenizer, "init_from": args.init_from,
             "out_dir": args.out_dir, "device": args.device, "record_trace": args.record_trace,
-            "ep_size": args.ep_size, "tensorboard": args.tensorboard}
+            "ep_size": args.ep_size, "tensorboard": args.tensorboard,
+            "time_moe": args.time_moe}
 
 
 def _cmd_train(args: argparse.Namespace) -> int:

@@ -22,7 +22,8 @@ from lrmoe.training.distributed import log
 RESUME_MUTABLE_FIELDS = frozenset({
     "run.steps", "run.eval_every", "run.eval_batches", "run.log_every", "run.save_every",
     "run.keep_checkpoints", "run.out_dir", "run.device", "run.torch_threads", "run.progress",
-    "data.cache_dir", "run.record_trace", "run.trace_every", "run.tensorboard"})
+    "data.cache_dir", "run.record_trace", "run.trace_every", "run.tensorboard",
+    "run.time_moe"})
 
 
 

@@ -304,6 +304,10 @@ class RunConfig:
         trace_every: record one optimizer step in this many.
         tensorboard: also write the metrics as TensorBoard scalars to
             ``out_dir/tensorboard/`` (needs the ``tensorboard`` package).
+        time_moe: log ``moe_time_ms`` (and its ``moe_forward_ms`` / ``moe_backward_ms``
+            parts) on every train record: the time of the MoE layers' forward and
+            backward in the step, device events around each (``lrmoe.training.moe_timer``);
+            the paper's time-to-loss metric.
     """
 
     steps: int = 400
@@ -321,6 +325,7 @@ class RunConfig:
     record_trace: Optional[str] = None
     trace_every: int = 10
     tensorboard: bool = False
+    time_moe: bool = False
 
     def validate(self) -> None:
         """Raises ValueError naming ``run.<field>`` on an invalid value."""
@@ -342,6 +347,8 @@ class RunConfig:
         _path("run.record_trace", self.record_trace)
         if not isinstance(self.tensorboard, bool):
             raise ValueError(f"run.tensorboard must be true or false, got {self.tensorboard!r}")
+        if not isinstance(self.time_moe, bool):
+            raise ValueError(f"run.time_moe must be true or false, got {self.time_moe!r}")
 
 
 _SECTION_TYPES: Dict[str, type] = {

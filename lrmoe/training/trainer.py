@@ -18,6 +18,7 @@ a failed or interrupted start leaves the directory as it was):
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -43,6 +44,7 @@ from lrmoe.training.loss import autocast, causal_lm_nll, evaluate, lm_forward
 from lrmoe.training.metrics import (CURVE_FILE, METRICS_FILE, SUMMARY_FILE, TENSORBOARD_DIR,
                                     MetricsLog, Progress, diagnostics_means, mean,
                                     print_summary, read_metrics, write_loss_curve)
+from lrmoe.training.moe_timer import make_timer
 from lrmoe.training.optim import build_optimizer
 
 RUN_FILES = (METRICS_FILE, CURVE_FILE, SUMMARY_FILE)
@@ -263,6 +265,7 @@ class Trainer:
                 layer.trace, layer.layer_index = self.trace, index
         self.model.to(self.device)
         self.model.train()
+        self.moe_timer = make_timer(cfg.run.time_moe, self.model, self.device)
         self.aux_coef = float(getattr(self.model.config, "router_aux_loss_coef", 0.0) or 0.0)
         self.optimizer, self.scheduler = build_optimizer(cfg.optim, self.model, self.device,
                                                          self.decay_steps)
@@ -393,17 +396,19 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         nll_total = torch.zeros((), dtype=torch.float32, device=self.device)
         aux_total: Optional[Tensor] = None
-        for batch in micro:
-            batch = batch.to(self.device)
-            with autocast(self.device, self.autocast_dtype):
-                logits, aux = lm_forward(self.model, batch, aux_loss=True)
-            nll, _ = causal_lm_nll(logits, batch.labels_BS)
-            loss = nll / denom
-            if aux is not None:
-                loss = loss + self.aux_coef * aux / cfg.data.grad_accum
-                aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
-            loss.backward()
-            nll_total += nll.detach()
+        timing = self.moe_timer.armed() if self.moe_timer else contextlib.nullcontext()
+        with timing:
+            for batch in micro:
+                batch = batch.to(self.device)
+                with autocast(self.device, self.autocast_dtype):
+                    logits, aux = lm_forward(self.model, batch, aux_loss=True)
+                nll, _ = causal_lm_nll(logits, batch.labels_BS)
+                loss = nll / denom
+                if aux is not None:
+                    loss = loss + self.aux_coef * aux / cfg.data.grad_accum
+                    aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
+                loss.backward()
+                nll_total += nll.detach()
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         if self.group is not None:
             from lrmoe import parallel
@@ -430,7 +435,8 @@ class Trainer:
                                      f"(now {cfg.optim.lr}) or raise optim.warmup_steps")
         self.tokens_seen += tokens
         dt = time.perf_counter() - t0
-        return {"kind": "train", "step": self.step, "loss": lm_loss,
+        moe_ms = self.moe_timer.step_ms() if self.moe_timer else {}
+        return {"kind": "train", "step": self.step, "loss": lm_loss, **moe_ms,
                 "ppl": math.exp(min(lm_loss, 700.0)),
                 "aux_loss": None if aux_total is None else float(aux_total) / cfg.data.grad_accum,
                 "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens,
@@ -545,6 +551,9 @@ class Trainer:
         else:
             memory = {"max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
         train_time = sum(r["time_s"] for r in self._records)
+        moe = [r["moe_time_ms"] for r in self._records if "moe_time_ms" in r]
+        if moe:  # this run's logged steps (run.time_moe)
+            memory["moe_time_s"] = sum(moe) / 1e3
         return {
             "steps": self.step, "steps_this_run": self.step - start_step,
             "interrupted": interrupted, "tokens": self.tokens_seen, "wall_time_s": wall,
