@@ -6,7 +6,7 @@
 //     fail if sum(excess) > sum(slack); for r by load desc, for e owned by r by n_e
 //     desc, while excess[r] > 0: t = argmax slack over ranks with a free slot not
 //     holding e, q = min(excess[r], slack[t], avail(e)) (the owner keeps >= 1 row),
-//     stop when q < min(u_min, excess[r]); fail if excess[r] > 0 is left.
+//     stop when q < u_min; fail if excess[r] > 0 is left.
 //   tau* = the smallest tau in [ceil(mean load), max load] the oracle accepts.
 //
 // Backward exact (Q_e = n_e). Memory: owners as fixed ownership; R slots of weights +
@@ -113,7 +113,7 @@ class UltraEPPolicy final : public Policy {
           }
           if (t < 0) break;
           const int64_t q = std::min({excess[r], slack[t], avail});
-          if (q < std::min(in.min_replica_rows, excess[r])) break;
+          if (q < in.min_replica_rows) break;  // a replica carries at least u_min rows
           out->push_back({e, t, q});
           hosts.push_back(t);
           slack[t] -= q;
