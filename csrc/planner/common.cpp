@@ -111,14 +111,26 @@ std::vector<int64_t> expert_loads(const PlanInput& in) {
   return n_E;
 }
 
-Layout fixed_layout(const PlanInput& in, const std::vector<int64_t>& n_E) {
-  Layout lay;
+Layout fixed_layout(const PlanInput& in, const std::vector<int64_t>& n_E,
+                    const std::vector<Replica>& replicas) {
   const int32_t E = in.num_experts, W = in.num_ranks;
-  lay.rank_E.resize(static_cast<size_t>(E));
-  lay.rows_E.resize(static_cast<size_t>(E));
+  Layout lay;
+  lay.offsets.assign(static_cast<size_t>(E) + 1, 0);
+  for (const Replica& x : replicas) lay.offsets[x.expert + 1] += 1;
+  for (int32_t e = 0; e < E; ++e) lay.offsets[e + 1] += lay.offsets[e] + 1;
+  const int32_t I = lay.offsets[E];
+  lay.rank.resize(static_cast<size_t>(I));
+  lay.rows.resize(static_cast<size_t>(I));
+  std::vector<int32_t> next(static_cast<size_t>(E));
   for (int32_t e = 0; e < E; ++e) {
-    lay.rank_E[e].assign(1, fixed_owner(e, E, W));
-    lay.rows_E[e].assign(1, n_E[e]);
+    lay.rank[lay.offsets[e]] = fixed_owner(e, E, W);
+    lay.rows[lay.offsets[e]] = n_E[e];
+    next[e] = lay.offsets[e] + 1;
+  }
+  for (const Replica& x : replicas) {
+    lay.rank[next[x.expert]] = x.rank;
+    lay.rows[next[x.expert]++] = x.rows;
+    lay.rows[lay.offsets[x.expert]] -= x.rows;
   }
   return lay;
 }
@@ -134,13 +146,10 @@ Plan assemble(const PlanInput& in, PolicyKind kind, const Layout& lay,
   p.num_experts = E;
   p.quota_E = quota_E;
   p.limit_bytes = m.budget_bytes - m.resident_bytes;
-  p.instance_offsets.resize(static_cast<size_t>(E) + 1);
-  p.instance_offsets[0] = 0;
-  for (int32_t e = 0; e < E; ++e)
-    p.instance_offsets[e + 1] = p.instance_offsets[e] + static_cast<int32_t>(lay.rank_E[e].size());
+  p.instance_offsets = lay.offsets;
+  p.instance_rank = lay.rank;
   const int32_t I = p.instance_offsets[E];
   p.replicas = I - E;
-  p.instance_rank.resize(static_cast<size_t>(I));
   p.forward_IW.assign(static_cast<size_t>(I) * W, 0);
   p.retained_IW.assign(static_cast<size_t>(I) * W, 0);
   p.fixed_rows_W.assign(static_cast<size_t>(W), 0);
@@ -152,16 +161,15 @@ Plan assemble(const PlanInput& in, PolicyKind kind, const Layout& lay,
   std::vector<int64_t> n_E(static_cast<size_t>(E), 0);
   for (int32_t e = 0; e < E; ++e) {
     const int32_t off = p.instance_offsets[e];
-    const int32_t n = static_cast<int32_t>(lay.rank_E[e].size());
-    std::copy(lay.rank_E[e].begin(), lay.rank_E[e].end(), p.instance_rank.begin() + off);
+    const int32_t n = p.instance_offsets[e + 1] - off;
     for (int32_t s = 0; s < W; ++s) {
       L_W[s] = in.load_WE[static_cast<size_t>(s) * E + e];
       n_E[e] += L_W[s];
     }
-    split_forward(L_W.data(), W, lay.rank_E[e].data(), lay.rows_E[e].data(), n,
+    split_forward(L_W.data(), W, lay.rank.data() + off, lay.rows.data() + off, n,
                   p.forward_IW.data() + static_cast<int64_t>(off) * W);
     if (E % W == 0) p.fixed_rows_W[fixed_owner(e, E, W)] += n_E[e];
-    for (int32_t i = 0; i < n; ++i) p.forward_rows_W[lay.rank_E[e][i]] += lay.rows_E[e][i];
+    for (int32_t i = off; i < off + n; ++i) p.forward_rows_W[lay.rank[i]] += lay.rows[i];
   }
   if (E % W != 0) p.fixed_rows_W.clear();  // no fixed ownership to compare with
 
@@ -183,7 +191,8 @@ Plan assemble(const PlanInput& in, PolicyKind kind, const Layout& lay,
   std::vector<int32_t> order(static_cast<size_t>(E));
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
-    const bool ra = lay.rank_E[a].size() > 1, rb = lay.rank_E[b].size() > 1;
+    const bool ra = lay.offsets[a + 1] - lay.offsets[a] > 1;
+    const bool rb = lay.offsets[b + 1] - lay.offsets[b] > 1;
     if (ra != rb) return rb;
     return quota_E[a] > quota_E[b];
   });
@@ -192,11 +201,11 @@ Plan assemble(const PlanInput& in, PolicyKind kind, const Layout& lay,
   int32_t unplaced_expert = -1;
   for (int32_t e : order) {
     const int32_t off = p.instance_offsets[e];
-    const int32_t n = static_cast<int32_t>(lay.rank_E[e].size());
-    f_n.assign(lay.rows_E[e].begin(), lay.rows_E[e].end());
+    const int32_t n = p.instance_offsets[e + 1] - off;
+    f_n.assign(lay.rows.begin() + off, lay.rows.begin() + off + n);
     room_n.resize(static_cast<size_t>(n));
     b_n.resize(static_cast<size_t>(n));
-    for (int32_t i = 0; i < n; ++i) room_n[i] = room_W[lay.rank_E[e][i]];
+    for (int32_t i = 0; i < n; ++i) room_n[i] = room_W[lay.rank[off + i]];
     const int64_t left = split_over_instances(quota_E[e], f_n.data(), room_n.data(), n, b_n.data());
     if (left > 0) {  // over-commit on purpose: the memory check below marks it infeasible
       unplaced += left;
@@ -204,7 +213,7 @@ Plan assemble(const PlanInput& in, PolicyKind kind, const Layout& lay,
       largest_remainder(quota_E[e], f_n.data(), n, b_n.data());
     }
     for (int32_t i = 0; i < n; ++i) {
-      const int32_t r = lay.rank_E[e][i];
+      const int32_t r = lay.rank[off + i];
       room_W[r] = std::max<int64_t>(0, room_W[r] - b_n[i]);
       p.backward_rows_W[r] += b_n[i];
     }

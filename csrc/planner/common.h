@@ -24,14 +24,24 @@ std::vector<int64_t> expert_loads(const PlanInput& in);
 // Megatron-LM fixed ownership: owner(e) = e / (E / W) (E a multiple of W).
 inline int32_t fixed_owner(int32_t e, int32_t E, int32_t W) { return e / (E / W); }
 
-// Where each expert's instances sit and how many forward rows each computes.
+// Where each expert's instances sit and how many forward rows each computes, flat
+// (one allocation per array: at E = 128 a vector per expert cost more than the plan).
 struct Layout {
-  std::vector<std::vector<int32_t>> rank_E;  // per expert: owner first
-  std::vector<std::vector<int64_t>> rows_E;  // forward rows per instance (sum = n_e)
+  std::vector<int32_t> offsets;  // E + 1: instances of e are [offsets[e], offsets[e + 1])
+  std::vector<int32_t> rank;     // I: owner first
+  std::vector<int64_t> rows;     // I: forward rows per instance (sum over e's = n_e)
 };
 
-// Layout of fixed ownership: one instance per expert at its owner with all n_e rows.
-Layout fixed_layout(const PlanInput& in, const std::vector<int64_t>& n_E);
+// A replica added to fixed ownership: `rows` of the expert's rows move from its owner.
+struct Replica {
+  int32_t expert, rank;
+  int64_t rows;
+};
+
+// Fixed ownership (one instance per expert at its owner with all n_e rows) plus
+// `replicas`, each after its expert's owner in the order given.
+Layout fixed_layout(const PlanInput& in, const std::vector<int64_t>& n_E,
+                    const std::vector<Replica>& replicas = {});
 
 struct RankBytes {
   std::vector<int64_t> base_W;     // base expert bytes per rank

@@ -111,21 +111,31 @@ class LRMoEPolicy final : public Policy {
       return need;
     };
 
-    // 2. cut the hottest experts of every over-committed rank
-    std::vector<std::vector<int32_t>> owned(static_cast<size_t>(W));
+    // 2. cut the hottest experts of every over-committed rank (rank r owns experts
+    // r * per ... r * per + per - 1)
     for (int32_t e = 0; e < E; ++e) {
       const int32_t r = detail::fixed_owner(e, E, W);
-      owned[r].push_back(e);
       fwd_W[r] += n_E[e];
       bwd_W[r] += Q[e];
     }
+    std::vector<int32_t> owned(static_cast<size_t>(per));
+    auto owned_by = [&](int32_t r) {
+      std::iota(owned.begin(), owned.end(), r * per);
+      return owned;
+    };
     for (int32_t r = 0; r < W; ++r) {
       const int64_t need = rows_to_shed(r, bb);
-      if (need > 0) bwd_W[r] -= water_cut(owned[r], std::min(need, bwd_W[r]), floor_E, &Q);
+      if (need > 0) bwd_W[r] -= water_cut(owned_by(r), std::min(need, bwd_W[r]), floor_E, &Q);
     }
 
     // 3. replicas for ranks still over, most over first
-    detail::Layout lay = detail::fixed_layout(in, n_E);
+    std::vector<detail::Replica> replicas;
+    auto holds = [&](int32_t e, int32_t j) {
+      if (detail::fixed_owner(e, E, W) == j) return true;
+      for (const detail::Replica& x : replicas)
+        if (x.expert == e && x.rank == j) return true;
+      return false;
+    };
     std::vector<int64_t> owner_bwd(Q);  // retained rows left at the owner
     std::vector<int32_t> ranks(static_cast<size_t>(W));
     std::iota(ranks.begin(), ranks.end(), 0);
@@ -135,7 +145,7 @@ class LRMoEPolicy final : public Policy {
     bool slots_bind = false;
     for (int32_t r : ranks) {
       if (rows_to_shed(r, fb + bb) == 0) continue;
-      std::vector<int32_t> hot(owned[r]);
+      std::vector<int32_t> hot = owned_by(r);
       std::stable_sort(hot.begin(), hot.end(), [&](int32_t a, int32_t b) { return Q[a] > Q[b]; });
       for (int32_t e : hot) {
         while (owner_bwd[e] > 0) {
@@ -146,7 +156,7 @@ class LRMoEPolicy final : public Policy {
           bool slot_short = false;
           for (int32_t j = 0; j < W; ++j) {
             if (j == r) continue;
-            if (std::find(lay.rank_E[e].begin(), lay.rank_E[e].end(), j) != lay.rank_E[e].end()) continue;
+            if (holds(e, j)) continue;
             // rows j can take with a new replica: bytes left after the copy, row capacity
             const int64_t left = -over_bytes(j) - copy;
             int64_t rows = left < 0 ? 0 : (fb + bb > 0 ? left / (fb + bb) : kUnbounded);
@@ -157,9 +167,7 @@ class LRMoEPolicy final : public Policy {
           }
           if (t < 0) { slots_bind = slots_bind || slot_short; break; }
           const int64_t q = std::min({need, owner_bwd[e], t_rows});
-          lay.rank_E[e].push_back(t);
-          lay.rows_E[e].push_back(q);
-          lay.rows_E[e][0] -= q;
+          replicas.push_back({e, t, q});
           owner_bwd[e] -= q;
           reps_W[t] += 1;
           fwd_W[t] += q; bwd_W[t] += q;
@@ -181,7 +189,8 @@ class LRMoEPolicy final : public Policy {
     else
       hint = "every expert of the rank is at its cut floor (max_expert_cut=" +
              std::to_string(in.max_expert_cut) + ") and no rank has room for a replica";
-    Plan p = detail::assemble(in, kind(), lay, Q, bytes, true, hint);
+    Plan p = detail::assemble(in, kind(), detail::fixed_layout(in, n_E, replicas), Q, bytes,
+                              true, hint);
     if (!p.feasible && slots_bind && p.binding == Binding::kMemory) p.binding = Binding::kReplicaSlots;
     return p;
   }

@@ -61,10 +61,11 @@ std::vector<int64_t> replica_counts(const std::vector<int64_t>& P_E, int64_t slo
   return r_E;
 }
 
-// Ranks of each expert's instances; false when the least-load greedy strands one.
+// Ranks of each expert's instances into rank_I (expert e at offsets[e]...); false
+// when the least-load greedy strands an expert.
 bool place(const std::vector<int64_t>& r_E, const std::vector<int64_t>& unit_E,
            const std::vector<int32_t>& order, int32_t W, int32_t S, bool most_free_first,
-           std::vector<std::vector<int32_t>>* rank_E) {
+           const std::vector<int32_t>& offsets, std::vector<int32_t>* rank_I) {
   std::vector<int32_t> free_W(static_cast<size_t>(W), S);
   std::vector<int64_t> load_W(static_cast<size_t>(W), 0);
   std::vector<int32_t> cand(static_cast<size_t>(W));
@@ -79,8 +80,9 @@ bool place(const std::vector<int64_t>& r_E, const std::vector<int64_t>& unit_E,
       return a < b;
     };
     std::partial_sort(cand.begin(), cand.begin() + r_E[e], cand.end(), before);
-    (*rank_E)[e].assign(cand.begin(), cand.begin() + r_E[e]);
-    for (int32_t r : (*rank_E)[e]) {
+    for (int64_t k = 0; k < r_E[e]; ++k) {
+      const int32_t r = cand[static_cast<size_t>(k)];
+      (*rank_I)[offsets[e] + k] = r;
       free_W[r] -= 1;
       load_W[r] += unit_E[e];
     }
@@ -112,18 +114,17 @@ class SymiPolicy final : public Policy {
       return unit_E[a] > unit_E[b];
     });
     detail::Layout lay;
-    lay.rank_E.resize(static_cast<size_t>(E));
-    if (!place(r_E, unit_E, order, W, S, false, &lay.rank_E))
-      place(r_E, unit_E, order, W, S, true, &lay.rank_E);
+    lay.offsets.assign(static_cast<size_t>(E) + 1, 0);
+    for (int32_t e = 0; e < E; ++e) lay.offsets[e + 1] = lay.offsets[e] + static_cast<int32_t>(r_E[e]);
+    lay.rank.resize(static_cast<size_t>(lay.offsets[E]));
+    lay.rows.resize(static_cast<size_t>(lay.offsets[E]));
+    if (!place(r_E, unit_E, order, W, S, false, lay.offsets, &lay.rank))
+      place(r_E, unit_E, order, W, S, true, lay.offsets, &lay.rank);
     // even split of the current load over the instances
-    lay.rows_E.resize(static_cast<size_t>(E));
-    std::vector<int64_t> ones;
-    for (int32_t e = 0; e < E; ++e) {
-      const int32_t n = static_cast<int32_t>(lay.rank_E[e].size());
-      ones.assign(static_cast<size_t>(n), 1);
-      lay.rows_E[e].resize(static_cast<size_t>(n));
-      largest_remainder(n_E[e], ones.data(), n, lay.rows_E[e].data());
-    }
+    const std::vector<int64_t> ones(static_cast<size_t>(W), 1);
+    for (int32_t e = 0; e < E; ++e)
+      largest_remainder(n_E[e], ones.data(), static_cast<int32_t>(r_E[e]),
+                        lay.rows.data() + lay.offsets[e]);
     const MemoryModel& m = in.memory;
     const int64_t copy = m.expert_weight_bytes + m.expert_grad_bytes;
     const int64_t optimizer = m.optimizer_on_device ? (m.expert_optimizer_bytes * E + W - 1) / W : 0;

@@ -22,10 +22,7 @@ namespace lrmoe {
 namespace planner {
 namespace {
 
-struct Export {
-  int32_t expert, rank;
-  int64_t rows;
-};
+using Export = detail::Replica;
 
 class UltraEPPolicy final : public Policy {
  public:
@@ -66,12 +63,7 @@ class UltraEPPolicy final : public Policy {
     }
     // never accepted below the max load: tau* = max load, which needs no replica
 
-    detail::Layout lay = detail::fixed_layout(in, n_E);
-    for (const Export& x : best) {
-      lay.rank_E[x.expert].push_back(x.rank);
-      lay.rows_E[x.expert].push_back(x.rows);
-      lay.rows_E[x.expert][0] -= x.rows;
-    }
+    const detail::Layout lay = detail::fixed_layout(in, n_E, best);
     const MemoryModel& m = in.memory;
     const int64_t copy = m.expert_weight_bytes + m.expert_grad_bytes;
     detail::RankBytes bytes;
