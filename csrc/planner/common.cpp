@@ -136,8 +136,7 @@ Layout fixed_layout(const PlanInput& in, const std::vector<int64_t>& n_E,
 }
 
 Plan assemble(const PlanInput& in, PolicyKind kind, const Layout& lay,
-              const std::vector<int64_t>& quota_E, const RankBytes& bytes, bool bounded,
-              const std::string& hint) {
+              const std::vector<int64_t>& quota_E, const RankBytes& bytes, bool bounded) {
   const int32_t W = in.num_ranks, E = in.num_experts;
   const MemoryModel& m = in.memory;
   Plan p;
@@ -268,7 +267,6 @@ Plan assemble(const PlanInput& in, PolicyKind kind, const Layout& lay,
     if (unplaced > 0)
       p.reason += "; capacity-aware routing found no room for " + num(unplaced) +
                   " retained rows (first: expert " + num(int64_t(unplaced_expert)) + ")";
-    if (!hint.empty()) p.reason += "; " + hint;
   }
   return p;
 }

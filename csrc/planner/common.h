@@ -50,10 +50,9 @@ struct RankBytes {
 
 // Builds the plan: forward split (route.h split_forward), retained shares (route.h,
 // bounded by each rank's remaining backward rows when `bounded`), rows per rank,
-// memory and feasibility. `hint` is appended to the reason of an infeasible plan.
+// memory and feasibility (the reason names the binding constraint and by how much).
 Plan assemble(const PlanInput& in, PolicyKind kind, const Layout& layout,
-              const std::vector<int64_t>& quota_E, const RankBytes& bytes, bool bounded,
-              const std::string& hint = "");
+              const std::vector<int64_t>& quota_E, const RankBytes& bytes, bool bounded);
 
 // "1.234 GiB (1325000000 bytes)"
 std::string format_bytes(int64_t bytes);

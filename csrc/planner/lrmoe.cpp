@@ -180,17 +180,19 @@ class LRMoEPolicy final : public Policy {
     bytes.base_W.assign(static_cast<size_t>(W), base);
     bytes.replica_W.resize(static_cast<size_t>(W));
     for (int32_t r = 0; r < W; ++r) bytes.replica_W[r] = reps_W[r] * copy;
-    std::string hint;
-    if (slots_bind)
-      hint = "replica_slots: ranks with room had no free slot (replica_slots=" +
-             std::to_string(in.replica_slots) + "); more slots would help";
-    else if (in.recalibration_rate == 0.0)
-      hint = "c = 0 is exact (no demand cut); a recalibration rate c > 0 lets lrmoe cut demand";
-    else
-      hint = "every expert of the rank is at its cut floor (max_expert_cut=" +
-             std::to_string(in.max_expert_cut) + ") and no rank has room for a replica";
     Plan p = detail::assemble(in, kind(), detail::fixed_layout(in, n_E, replicas), Q, bytes,
-                              true, hint);
+                              true);
+    if (!p.feasible) {  // why lrmoe could not fix it (built only here: formatting is slow)
+      if (slots_bind)
+        p.reason += "; replica_slots: ranks with room had no free slot (replica_slots=" +
+                    std::to_string(in.replica_slots) + "); more slots would help";
+      else if (in.recalibration_rate == 0.0)
+        p.reason += "; c = 0 is exact (no demand cut): a recalibration rate c > 0 lets lrmoe "
+                    "cut demand";
+      else
+        p.reason += "; every expert of the rank is at its cut floor (max_expert_cut=" +
+                    std::to_string(in.max_expert_cut) + ") and no rank has room for a replica";
+    }
     if (!p.feasible && slots_bind && p.binding == Binding::kMemory) p.binding = Binding::kReplicaSlots;
     return p;
   }
