@@ -60,6 +60,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                      help="lrmoe: most of one expert's demand it may cut under the budget")
     pol.add_argument("--row-capacity", type=int, default=0, metavar="ROWS",
                      help="most retained rows per rank (0: memory only)")
+    pol.add_argument("--balance", type=float, default=0.05, metavar="SLACK",
+                     help="lrmoe: aim at most (1 + SLACK) x the mean retained rows per rank "
+                          "(a negative value: memory only)")
     pol.add_argument("--min-replica-rows", type=int, default=1, metavar="U",
                      help="ultraep u_min: the fewest rows a replica carries")
     out = p.add_argument_group("output")
@@ -214,7 +217,8 @@ def run_plan(args: argparse.Namespace) -> int:
     for name in policies:
         plan = P.plan(load_WE, name, memory, args.recalibration_rate, args.quota_rule,
                       args.replica_slots, args.symi_slots, prev_E, args.max_expert_cut,
-                      args.row_capacity, args.min_replica_rows)
+                      args.row_capacity, args.min_replica_rows,
+                      None if args.balance < 0 else args.balance)
         rows.append(_summary(plan, load_WE))
     header = (f"{shape.name} at W={args.ep}, {what}; budget {args.budget}, resident "
               f"{args.resident}, c={args.recalibration_rate:g} (lrmoe), R={args.replica_slots}")

@@ -180,7 +180,7 @@ class Plan:
 def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 0.0,
          quota_rule: str = "proportional", replica_slots: int = 2, symi_slots: int = 0,
          previous_load_E=None, max_expert_cut: float = 0.5, backward_row_capacity: int = 0,
-         min_replica_rows: int = 1) -> Plan:
+         min_replica_rows: int = 1, balance_slack: Optional[float] = None) -> Plan:
     """Plan one layer's placement with ``policy`` (csrc/planner; docs/planner.md).
 
     Args:
@@ -198,6 +198,9 @@ def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 
         max_expert_cut: lrmoe keeps at least floor((1 - this) n_e) of an expert's pairs.
         backward_row_capacity: most retained rows per rank (0: memory only).
         min_replica_rows: ultraep's u_min, the fewest rows a replica carries.
+        balance_slack: lrmoe also aims at most (1 + this) x the mean retained rows per
+            rank (cutting the hot ranks' experts within their floors, then replicating);
+            a target, never a reason to be infeasible. None: memory (and row capacity) only.
 
     Returns:
         A :class:`Plan`; ``plan.feasible`` is False (with ``plan.reason``) when it cannot fit.
@@ -210,6 +213,8 @@ def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
     if quota_rule not in QUOTA_RULES:
         raise ValueError(f"quota_rule must be one of {', '.join(QUOTA_RULES)}; got {quota_rule!r}")
+    if balance_slack is not None and not balance_slack >= 0:
+        raise ValueError(f"balance_slack must be >= 0 (or None: off), got {balance_slack}")
     load = torch.as_tensor(np.asarray(load_WE), dtype=torch.int64)
     if load.dim() != 2:
         raise ValueError(f"load_WE must be 2-D (W ranks, E experts), got shape {tuple(load.shape)}")
@@ -218,7 +223,8 @@ def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 
     (offsets, ranks, fwd, kept, quota, rows, mem, status, reason) = torch.ops.lrmoe.plan(
         load, policy, memory.as_list(), memory.optimizer_on_device, float(recalibration_rate),
         quota_rule, int(replica_slots), int(symi_slots), prev, float(max_expert_cut),
-        int(backward_row_capacity), int(min_replica_rows))
+        int(backward_row_capacity), int(min_replica_rows),
+        -1.0 if balance_slack is None else float(balance_slack))
     s = status.tolist()
     return Plan(policy=policy, instance_offsets=offsets, instance_rank=ranks, forward_IW=fwd,
                 retained_IW=kept, quota_E=quota, fixed_rows_W=rows[0], forward_rows_W=rows[1],

@@ -34,7 +34,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 plan_cpu(const at::Tensor& load, c10::string_view policy, c10::IntArrayRef memory_bytes,
          bool optimizer_on_device, double recalibration_rate, c10::string_view quota_rule,
          int64_t replica_slots, int64_t symi_slots, const c10::optional<at::Tensor>& previous_load,
-         double max_expert_cut, int64_t backward_row_capacity, int64_t min_replica_rows) {
+         double max_expert_cut, int64_t backward_row_capacity, int64_t min_replica_rows,
+         double balance_slack) {
   check_dim(load, 2, "load");
   LRMOE_CHECK(!load.is_floating_point() && !load.is_complex() && load.device().is_cpu(),
               "load must be an integer CPU tensor (W, E) of routed pairs per (source, expert)");
@@ -57,6 +58,7 @@ plan_cpu(const at::Tensor& load, c10::string_view policy, c10::IntArrayRef memor
   in.max_expert_cut = max_expert_cut;
   in.backward_row_capacity = backward_row_capacity;
   in.min_replica_rows = min_replica_rows;
+  in.balance_slack = balance_slack;
   planner::Plan p;
   try {
     p = planner::make_plan(std::string(policy), in);

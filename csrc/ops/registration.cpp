@@ -47,7 +47,7 @@ TORCH_LIBRARY(lrmoe, m) {
   m.def("plan(Tensor load, str policy, int[] memory_bytes, bool optimizer_on_device, "
         "float recalibration_rate, str quota_rule, int replica_slots, int symi_slots, "
         "Tensor? previous_load, float max_expert_cut, int backward_row_capacity, "
-        "int min_replica_rows) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+        "int min_replica_rows, float balance_slack) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
         "Tensor, str)");
 }
 

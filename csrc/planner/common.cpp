@@ -74,6 +74,8 @@ void validate(const PlanInput& in, PolicyKind kind) {
          "raise the budget or lower the resident bytes");
   if (in.replica_slots < 0) fail("replica_slots must be >= 0, got " + num(int64_t(in.replica_slots)));
   if (in.symi_slots < 0) fail("symi_slots must be >= 0 (0: ceil(E / W) + replica_slots), got " + num(int64_t(in.symi_slots)));
+  if (!(in.balance_slack == in.balance_slack))  // NaN
+    fail("balance_slack must be a number (< 0: off), got NaN");
   if (in.backward_row_capacity < 0)
     fail("backward_row_capacity must be >= 0 (0: bounded by memory only), got " + num(in.backward_row_capacity));
   if (in.min_replica_rows < 1) fail("min_replica_rows must be >= 1, got " + num(in.min_replica_rows));
@@ -136,7 +138,8 @@ Layout fixed_layout(const PlanInput& in, const std::vector<int64_t>& n_E,
 }
 
 Plan assemble(const PlanInput& in, PolicyKind kind, const Layout& lay,
-              const std::vector<int64_t>& quota_E, const RankBytes& bytes, bool bounded) {
+              const std::vector<int64_t>& quota_E, const RankBytes& bytes, bool bounded,
+              int64_t target_rows) {
   const int32_t W = in.num_ranks, E = in.num_experts;
   const MemoryModel& m = in.memory;
   Plan p;
@@ -174,6 +177,7 @@ Plan assemble(const PlanInput& in, PolicyKind kind, const Layout& lay,
 
   // backward room of every rank, in rows, once the forward buffers are placed
   std::vector<int64_t> room_W(static_cast<size_t>(W), kUnbounded);
+  std::vector<int64_t> hard_W(static_cast<size_t>(W), kUnbounded);  // without the target
   if (bounded)
     for (int32_t r = 0; r < W; ++r) {
       const int64_t free_bytes = p.limit_bytes - bytes.base_W[r] - bytes.replica_W[r] -
@@ -182,6 +186,8 @@ Plan assemble(const PlanInput& in, PolicyKind kind, const Layout& lay,
                                               : kUnbounded;
       if (free_bytes < 0) rows = 0;
       if (in.backward_row_capacity > 0) rows = std::min(rows, in.backward_row_capacity);
+      hard_W[r] = rows;
+      if (target_rows > 0) rows = std::min(rows, target_rows);
       room_W[r] = rows;
     }
 
@@ -205,7 +211,11 @@ Plan assemble(const PlanInput& in, PolicyKind kind, const Layout& lay,
     room_n.resize(static_cast<size_t>(n));
     b_n.resize(static_cast<size_t>(n));
     for (int32_t i = 0; i < n; ++i) room_n[i] = room_W[lay.rank[off + i]];
-    const int64_t left = split_over_instances(quota_E[e], f_n.data(), room_n.data(), n, b_n.data());
+    int64_t left = split_over_instances(quota_E[e], f_n.data(), room_n.data(), n, b_n.data());
+    if (left > 0 && target_rows > 0) {  // the target cannot be met: the hard rooms only
+      for (int32_t i = 0; i < n; ++i) room_n[i] = hard_W[lay.rank[off + i]];
+      left = split_over_instances(quota_E[e], f_n.data(), room_n.data(), n, b_n.data());
+    }
     if (left > 0) {  // over-commit on purpose: the memory check below marks it infeasible
       unplaced += left;
       if (unplaced_expert < 0) unplaced_expert = e;
@@ -214,6 +224,7 @@ Plan assemble(const PlanInput& in, PolicyKind kind, const Layout& lay,
     for (int32_t i = 0; i < n; ++i) {
       const int32_t r = lay.rank[off + i];
       room_W[r] = std::max<int64_t>(0, room_W[r] - b_n[i]);
+      hard_W[r] = std::max<int64_t>(0, hard_W[r] - b_n[i]);
       p.backward_rows_W[r] += b_n[i];
     }
     split_cells(b_n.data(), p.forward_IW.data() + static_cast<int64_t>(off) * W, n, W,

@@ -49,10 +49,12 @@ struct RankBytes {
 };
 
 // Builds the plan: forward split (route.h split_forward), retained shares (route.h,
-// bounded by each rank's remaining backward rows when `bounded`), rows per rank,
-// memory and feasibility (the reason names the binding constraint and by how much).
+// bounded by each rank's remaining backward rows when `bounded`, and then also by
+// `target_rows` > 0 per rank where it can be met), rows per rank, memory and
+// feasibility (the reason names the binding constraint and by how much).
 Plan assemble(const PlanInput& in, PolicyKind kind, const Layout& layout,
-              const std::vector<int64_t>& quota_E, const RankBytes& bytes, bool bounded);
+              const std::vector<int64_t>& quota_E, const RankBytes& bytes, bool bounded,
+              int64_t target_rows = 0);
 
 // "1.234 GiB (1325000000 bytes)"
 std::string format_bytes(int64_t bytes);

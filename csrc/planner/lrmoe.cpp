@@ -14,10 +14,14 @@
 //      load does not need is never placed: replicas are the last resort, not a balancer.
 //   4. Capacity-aware routing (route.h) spreads each expert's Q_e over its instances
 //      within every rank's remaining backward rows.
+//   With balance_slack >= 0 the steps 2-4 also aim at (1 + slack) x the mean retained
+//   rows per rank, as if it were a row capacity (but missing it is not infeasible):
+//   the hot ranks' experts are cut (within their floors), then replicated.
 //
 // Memory per rank: owners as fixed ownership, placed replicas x (weights + grads),
 // forward rows x forward_row_bytes, retained rows x backward_row_bytes.
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <numeric>
 
@@ -96,7 +100,15 @@ class LRMoEPolicy final : public Policy {
     const int64_t base = (copy + (m.optimizer_on_device ? m.expert_optimizer_bytes : 0)) * per;
     const int64_t limit = m.budget_bytes - m.resident_bytes;
     const int64_t fb = m.forward_row_bytes, bb = m.backward_row_bytes;
-    const int64_t cap_rows = in.backward_row_capacity > 0 ? in.backward_row_capacity : kUnbounded;
+    int64_t cap_rows = in.backward_row_capacity > 0 ? in.backward_row_capacity : kUnbounded;
+    int64_t target_rows = 0;  // the balance target, if any (planned for like a capacity)
+    if (in.balance_slack >= 0.0) {
+      int64_t kept = 0;
+      for (int64_t q : Q) kept += q;
+      target_rows = std::max<int64_t>(
+          1, static_cast<int64_t>(std::ceil((1.0 + in.balance_slack) * static_cast<double>(kept) / W)));
+      cap_rows = std::min(cap_rows, target_rows);
+    }
     std::vector<int64_t> fwd_W(static_cast<size_t>(W), 0), bwd_W(static_cast<size_t>(W), 0);
     std::vector<int32_t> reps_W(static_cast<size_t>(W), 0);
     auto over_bytes = [&](int32_t r) {
@@ -181,7 +193,7 @@ class LRMoEPolicy final : public Policy {
     bytes.replica_W.resize(static_cast<size_t>(W));
     for (int32_t r = 0; r < W; ++r) bytes.replica_W[r] = reps_W[r] * copy;
     Plan p = detail::assemble(in, kind(), detail::fixed_layout(in, n_E, replicas), Q, bytes,
-                              true);
+                              true, target_rows);
     if (!p.feasible) {  // why lrmoe could not fix it (built only here: formatting is slow)
       if (slots_bind)
         p.reason += "; replica_slots: ranks with room had no free slot (replica_slots=" +

@@ -50,7 +50,11 @@ struct PlanInput {
   // symi plans from the previous step's popularity n_E (empty: the current loads)
   std::vector<int64_t> previous_load_E;
   double max_expert_cut = 0.5;       // lrmoe: no expert keeps fewer than (1 - this) n_e
-  int64_t backward_row_capacity = 0; // lrmoe: most retained rows per rank, 0 = memory only
+  int64_t backward_row_capacity = 0; // most retained rows per rank (0: memory only); a
+                                     // constraint for every policy
+  // lrmoe: < 0 off; >= 0 aims at most (1 + balance_slack) x the mean retained rows per
+  // rank (a target: cut, then replicas, as for the budget; never makes a plan infeasible)
+  double balance_slack = -1.0;
   int64_t min_replica_rows = 1;      // ultraep u_min: fewest rows worth a replica
 };
 

@@ -261,6 +261,7 @@ PlanInput random_input(std::mt19937_64& rng, int W, int E) {
   m.budget_bytes = m.resident_bytes + (E / W) * 900 + 400 +
                    static_cast<int64_t>(slack * mean_rows * 8);
   if (rng() % 4 == 0) in.backward_row_capacity = 1 + static_cast<int64_t>(slack * mean_rows);
+  in.balance_slack = std::vector<double>{-1.0, 0.0, 0.1}[rng() % 3];
   if (rng() % 3 == 0) {
     PlanInput prev;
     prev.num_ranks = W;
@@ -384,6 +385,34 @@ TEST(PlannerKnownAnswers, LRMoECutsTheHottestExpertBeforeAddingReplicas) {
   EXPECT_EQ(p.quota_E, (std::vector<int64_t>{5, 2}));
   EXPECT_FALSE(p.feasible);
   EXPECT_EQ(p.shortfall, 1);
+}
+
+TEST(PlannerKnownAnswers, LRMoEBalanceTarget) {
+  // W = 2, E = 2, n = [6, 2] (expert e on rank e), slack 0: target ceil(sum(Q) / 2).
+  // c = 0: Q = [6, 2], target 4, no cut at c = 0 -> 2 rows of expert 0 go to a replica on
+  // rank 1: backward rows [4, 4].
+  PlanInput in;
+  in.num_ranks = 2;
+  in.num_experts = 2;
+  in.load_WE = {6, 0, 0, 2};
+  in.balance_slack = 0.0;
+  in.memory = {0, 0, 0, true, 1, 1, 1 << 20, 0};
+  Plan p = make_plan("lrmoe", in);
+  EXPECT_EQ(p.replicas, 1);
+  EXPECT_EQ(p.backward_rows_W, (std::vector<int64_t>{4, 4}));
+  EXPECT_EQ(p.forward_rows_W, (std::vector<int64_t>{4, 4}));
+  // c = 0.25: 4.5 and 1.5 -> [4, 1] + 1 extra (floor(6) = 6; remainders tie, lower index)
+  // = [5, 1]; target 3: rank 0 cuts expert 0 from 5 to 3 (its floor floor(0.5 x 6) = 3),
+  // which fits: no replica.
+  in.recalibration_rate = 0.25;
+  p = make_plan("lrmoe", in);
+  EXPECT_EQ(p.quota_E, (std::vector<int64_t>{3, 1}));
+  EXPECT_EQ(p.replicas, 0);
+  // without the target nothing happens: [5, 1] on one instance each
+  in.balance_slack = -1.0;
+  p = make_plan("lrmoe", in);
+  EXPECT_EQ(p.quota_E, (std::vector<int64_t>{5, 1}));
+  EXPECT_EQ(p.replicas, 0);
 }
 
 TEST(PlannerKnownAnswers, FixedOwnershipTrivially) {
