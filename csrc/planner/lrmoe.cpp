@@ -11,7 +11,7 @@
 //      descending move rows (forward and retained together, so saved activations
 //      never move) to a replica on the rank with the most room that has a free slot
 //      (replica_slots per rank) and no instance of the expert. A replica the retained
-//      load does not need is never placed: replicas are the last resort, not a balancer.
+//      load does not need is never placed: replicas come only after the cut.
 //   4. Capacity-aware routing (route.h) spreads each expert's Q_e over its instances
 //      within every rank's remaining backward rows.
 //   With balance_slack >= 0 the steps 2-4 also aim at (1 + slack) x the mean retained
