@@ -10,6 +10,7 @@ Legend: W ranks, E experts, ``load_WE`` routed pairs per (source, expert).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -224,8 +225,8 @@ def run_plan(args: argparse.Namespace) -> int:
               f"{args.resident}, c={args.recalibration_rate:g} (lrmoe), R={args.replica_slots}")
     files = _figures(rows, args.png) if args.png else []
     if args.json:
-        json.dump({"setting": header, "model": dataclasses_dict(shape),
-                   "memory_model": dataclasses_dict(memory), "plans": rows,
+        json.dump({"setting": header, "model": dataclasses.asdict(shape),
+                   "memory_model": dataclasses.asdict(memory), "plans": rows,
                    "figures": [str(f) for f in files]}, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
@@ -234,8 +235,3 @@ def run_plan(args: argparse.Namespace) -> int:
             print(f"wrote {f}")
     return 0
 
-
-def dataclasses_dict(obj: Any) -> Dict[str, Any]:
-    import dataclasses
-
-    return dataclasses.asdict(obj)
