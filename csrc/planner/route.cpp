@@ -32,12 +32,23 @@ void largest_remainder(int64_t total, const int64_t* w, int32_t n, int64_t* out)
     for (int32_t i = 0; i < n; ++i) out[i] = w[i];
     return;
   }
-  // scratch kept per thread: this runs once per (expert, instance) of every plan, and
-  // the divisions are most of a plan's time (hence floor_div)
-  thread_local std::vector<int64_t> rem;
-  thread_local std::vector<int32_t> order;
-  rem.resize(static_cast<size_t>(n));
-  order.clear();
+  // scratch on the stack for the usual sizes (n <= 128 sources or instances), else kept
+  // per thread: this runs once per (expert, instance) of every plan, and the divisions
+  // are most of a plan's time (hence floor_div)
+  constexpr int32_t kStack = 128;
+  int64_t rem_stack[kStack];
+  int32_t order_stack[kStack];
+  thread_local std::vector<int64_t> rem_heap;
+  thread_local std::vector<int32_t> order_heap;
+  int64_t* rem = rem_stack;
+  int32_t* order = order_stack;
+  if (n > kStack) {
+    rem_heap.resize(static_cast<size_t>(n));
+    order_heap.resize(static_cast<size_t>(n));
+    rem = rem_heap.data();
+    order = order_heap.data();
+  }
+  int32_t with_rem = 0;
   int64_t given = 0;
   const double inv_sum = 1.0 / static_cast<double>(sum);
   for (int32_t i = 0; i < n; ++i) {
@@ -45,14 +56,13 @@ void largest_remainder(int64_t total, const int64_t* w, int32_t n, int64_t* out)
     out[i] = floor_div(num, sum, inv_sum);
     rem[i] = num - out[i] * sum;
     given += out[i];
-    if (rem[i] != 0) order.push_back(i);
+    if (rem[i] != 0) order[with_rem++] = i;
   }
-  const int64_t extra = total - given;  // < number of entries with a remainder
+  const int64_t extra = total - given;  // < with_rem
   if (extra <= 0) return;
   auto before = [&](int32_t a, int32_t b) { return rem[a] > rem[b] || (rem[a] == rem[b] && a < b); };
-  if (static_cast<int64_t>(order.size()) > extra)
-    std::nth_element(order.begin(), order.begin() + (extra - 1), order.end(), before);
-  for (int64_t k = 0; k < extra; ++k) out[order[static_cast<size_t>(k)]] += 1;
+  if (with_rem > extra) std::nth_element(order, order + (extra - 1), order + with_rem, before);
+  for (int64_t k = 0; k < extra; ++k) out[order[k]] += 1;
 }
 
 void split_forward(const int64_t* L_W, int32_t W, const int32_t* rank_n,
