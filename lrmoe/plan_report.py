@@ -150,7 +150,14 @@ def _table(rows: List[Dict[str, Any]], header: str) -> str:
             f"{g(m['replicas'])} {g(m['forward_tokens']):>7} {g(m['backward_tokens']):>7} "
             f"{g(sum(m.values()))} / {r['limit_bytes'] / P.GiB:.2f}")
     lines += ["", "before/fwd/bwd: max/mean rows per rank under fixed ownership, in this plan's "
-              "forward and backward; kept: sum(Q)/sum(n); cut: the largest 1 - Q_e/n_e"]
+              "forward and backward; kept: sum(Q)/sum(n); cut: the largest 1 - Q_e/n_e", "",
+              "memory per rank, GiB (base + replicas + forward + backward tokens), and quotas:"]
+    for r in rows:
+        per_rank = np.sum([r["memory_bytes_per_rank"][k] for k in r["memory_bytes_per_rank"]],
+                          axis=0) / P.GiB
+        q = np.asarray(r["quota"])
+        lines.append(f"{r['policy']:8} " + " ".join(f"{v:.2f}" for v in per_rank)
+                     + f" | Q_e min {q.min()} median {int(np.median(q))} max {q.max()}")
     for r in rows:
         if not r["feasible"]:
             lines.append(f"{r['policy']}: infeasible: {r['reason']}")
