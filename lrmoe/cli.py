@@ -1,5 +1,6 @@
-"""The ``lrmoe`` command line: ``lrmoe train ...``, and ``lrmoe bench layer ...`` where
-:mod:`lrmoe.bench` is installed (more subcommands go into :func:`build_parser`).
+"""The ``lrmoe`` command line: ``lrmoe train ...``, ``lrmoe plan ...``, and ``lrmoe bench
+layer ...`` where :mod:`lrmoe.bench` is installed (more subcommands go into
+:func:`build_parser`).
 
 Exit status: 0 on success, 2 on a usage or config error (the message names the setting),
 130 when a training run was stopped by Ctrl-C (after saving a checkpoint).
@@ -97,6 +98,21 @@ def _add_bench_parser(sub: Any) -> None:
     layer.set_defaults(func=_cmd_bench_layer)
 
 
+def _add_plan_parser(sub: Any) -> None:
+    """``lrmoe plan ...``: placement policies on routed loads (lrmoe/plan_report.py)."""
+    from lrmoe.plan_report import add_plan_arguments, run_plan
+
+    p = sub.add_parser(
+        "plan", help="plan expert placement and retention quotas per policy",
+        description=(
+            "Plan one MoE layer's expert placement with each policy (fixed, ultraep, symi, "
+            "lrmoe) on synthetic or traced routed loads, and print per-rank loads, replicas, "
+            "quotas, the memory breakdown and feasibility (docs/planner.md)."),
+        formatter_class=_HelpFormatter)
+    add_plan_arguments(p)
+    p.set_defaults(func=run_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``lrmoe`` argument parser with its subcommands (``train``; ``bench layer``
     where :mod:`lrmoe.bench` exists)."""
@@ -106,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     _add_train_parser(sub)
     _add_bench_parser(sub)
+    _add_plan_parser(sub)
     return parser
 
 

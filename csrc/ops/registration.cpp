@@ -39,6 +39,16 @@ TORCH_LIBRARY(lrmoe, m) {
   // torch._grouped_mm semantics (2D x 3D, 2D x 2D with offsets on K); a per-expert
   // loop where the fused kernel does not apply.
   m.def("grouped_mm(Tensor a, Tensor b, Tensor offsets) -> Tensor");
+  // placement planner (csrc/planner), host only: load (W, E) int -> instance_offsets (E+1),
+  // instance_rank (I), forward (I, W), retained (I, W), quota (E), rows (3, W) [fixed,
+  // forward, backward], memory (W, 4) [base, replicas, forward, backward] bytes, status (6)
+  // [feasible, binding, binding_rank, shortfall, limit_bytes, replicas], reason; all int64.
+  // memory_bytes = [weight, grad, optimizer, forward_row, backward_row, budget, resident].
+  m.def("plan(Tensor load, str policy, int[] memory_bytes, bool optimizer_on_device, "
+        "float recalibration_rate, str quota_rule, int replica_slots, int symi_slots, "
+        "Tensor? previous_load, float max_expert_cut, int backward_row_capacity, "
+        "int min_replica_rows, float balance_slack) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+        "Tensor, str)");
 }
 
 // The recalibration rate as the exact fraction p/q that every quota uses

@@ -1,0 +1,218 @@
+// LRMoE: retention quotas and replicas planned jointly under the per-GPU budget.
+// docs/planner.md, "lrmoe", states the rules; in short:
+//
+//   1. Q = the quota rule at c (planner/quotas.h; core/quota.h rules).
+//   2. Owners as fixed ownership. A rank whose bytes (or retained rows, with
+//      backward_row_capacity) exceed its limit first cuts demand on its hottest
+//      experts: a water level over their quotas, no expert below
+//      floor((1 - max_expert_cut) n_e) retained. At c = 0 nothing is cut (exact
+//      training).
+//   3. Only then replicas: for a rank still over, its experts by retained rows
+//      descending move rows (forward and retained together, so saved activations
+//      never move) to a replica on the rank with the most room that has a free slot
+//      (replica_slots per rank) and no instance of the expert. A replica the retained
+//      load does not need is never placed: replicas come only after the cut.
+//   4. Capacity-aware routing (route.h) spreads each expert's Q_e over its instances
+//      within every rank's remaining backward rows.
+//   With balance_slack >= 0 the steps 2-4 also aim at (1 + slack) x the mean retained
+//   rows per rank, as if it were a row capacity (but missing it is not infeasible):
+//   the hot ranks' experts are cut (within their floors), then replicated.
+//
+// Memory per rank: owners as fixed ownership, placed replicas x (weights + grads),
+// forward rows x forward_row_bytes, retained rows x backward_row_bytes.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "planner/common.h"
+#include "planner/policies.h"
+#include "planner/quotas.h"
+
+namespace lrmoe {
+namespace planner {
+namespace {
+
+constexpr int64_t kUnbounded = std::numeric_limits<int64_t>::max() / 4;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Lower the quotas of `experts` (hottest first) by `cut` rows in total, none below
+// floor_E: the largest level L with sum max(floor, min(Q, L)) <= sum(Q) - cut, then
+// the rows still owed back to the experts above L, most retained first. Returns the
+// rows actually cut (less than `cut` when every expert is at its floor).
+int64_t water_cut(const std::vector<int32_t>& experts, int64_t cut,
+                  const std::vector<int64_t>& floor_E, std::vector<int64_t>* quota_E) {
+  std::vector<int64_t>& Q = *quota_E;
+  int64_t sum = 0, sum_floor = 0, top = 0;
+  for (int32_t e : experts) {
+    sum += Q[e];
+    sum_floor += floor_E[e];
+    top = std::max(top, Q[e]);
+  }
+  if (sum - sum_floor <= cut) {
+    for (int32_t e : experts) Q[e] = floor_E[e];
+    return sum - sum_floor;
+  }
+  const int64_t target = sum - cut;
+  auto filled = [&](int64_t level) {
+    int64_t f = 0;
+    for (int32_t e : experts) f += std::max(floor_E[e], std::min(Q[e], level));
+    return f;
+  };
+  int64_t lo = 0, hi = top;  // filled(top) = sum > target >= filled(0) = sum_floor
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (filled(mid) <= target) lo = mid; else hi = mid - 1;
+  }
+  int64_t owed = target - filled(lo);
+  std::vector<int32_t> hot(experts);
+  std::stable_sort(hot.begin(), hot.end(), [&](int32_t a, int32_t b) { return Q[a] > Q[b]; });
+  for (int32_t e : hot) {
+    const int64_t at = std::max(floor_E[e], std::min(Q[e], lo));
+    // only experts cut to the level itself can take a row back (filled(lo + 1) - filled(lo)
+    // of them exist, more than owed)
+    const int64_t back = (owed > 0 && floor_E[e] <= lo && Q[e] > lo) ? 1 : 0;
+    owed -= back;
+    Q[e] = at + back;
+  }
+  return cut;
+}
+
+class LRMoEPolicy final : public Policy {
+ public:
+  PolicyKind kind() const override { return PolicyKind::kLRMoE; }
+  const char* name() const override { return "lrmoe"; }
+
+  Plan plan(const PlanInput& in) const override {
+    detail::validate(in, kind());
+    const int32_t W = in.num_ranks, E = in.num_experts, per = E / W;
+    const MemoryModel& m = in.memory;
+    const std::vector<int64_t> n_E = detail::expert_loads(in);
+    std::vector<int64_t> Q(static_cast<size_t>(E));
+    all_quotas(in.quota_rule, n_E.data(), E, in.recalibration_rate, Q.data());
+    std::vector<int64_t> floor_E(Q);
+    if (in.recalibration_rate > 0.0)
+      for (int32_t e = 0; e < E; ++e)
+        floor_E[e] = std::min(Q[e], core::retained_total(n_E[e], in.max_expert_cut));
+
+    const int64_t copy = m.expert_weight_bytes + m.expert_grad_bytes;
+    const int64_t base = (copy + (m.optimizer_on_device ? m.expert_optimizer_bytes : 0)) * per;
+    const int64_t limit = m.budget_bytes - m.resident_bytes;
+    const int64_t fb = m.forward_row_bytes, bb = m.backward_row_bytes;
+    int64_t cap_rows = in.backward_row_capacity > 0 ? in.backward_row_capacity : kUnbounded;
+    int64_t target_rows = 0;  // the balance target, if any (planned for like a capacity)
+    if (in.balance_slack >= 0.0) {
+      int64_t kept = 0;
+      for (int64_t q : Q) kept += q;
+      target_rows = std::max<int64_t>(
+          1, static_cast<int64_t>(std::ceil((1.0 + in.balance_slack) * static_cast<double>(kept) / W)));
+      cap_rows = std::min(cap_rows, target_rows);
+    }
+    std::vector<int64_t> fwd_W(static_cast<size_t>(W), 0), bwd_W(static_cast<size_t>(W), 0);
+    std::vector<int32_t> reps_W(static_cast<size_t>(W), 0);
+    auto over_bytes = [&](int32_t r) {
+      return base + reps_W[r] * copy + fwd_W[r] * fb + bwd_W[r] * bb - limit;
+    };
+    // retained rows rank r must shed to fit its row capacity and, where shedding a row
+    // frees bytes_per_row > 0 bytes, its memory limit
+    auto rows_to_shed = [&](int32_t r, int64_t bytes_per_row) {
+      int64_t need = std::max<int64_t>(0, bwd_W[r] - cap_rows);
+      const int64_t over = over_bytes(r);
+      if (over > 0 && bytes_per_row > 0) need = std::max(need, ceil_div(over, bytes_per_row));
+      return need;
+    };
+
+    // 2. cut the hottest experts of every over-committed rank (rank r owns experts
+    // r * per ... r * per + per - 1)
+    for (int32_t e = 0; e < E; ++e) {
+      const int32_t r = detail::fixed_owner(e, E, W);
+      fwd_W[r] += n_E[e];
+      bwd_W[r] += Q[e];
+    }
+    std::vector<int32_t> owned(static_cast<size_t>(per));
+    auto owned_by = [&](int32_t r) {
+      std::iota(owned.begin(), owned.end(), r * per);
+      return owned;
+    };
+    for (int32_t r = 0; r < W; ++r) {
+      const int64_t need = rows_to_shed(r, bb);
+      if (need > 0) bwd_W[r] -= water_cut(owned_by(r), std::min(need, bwd_W[r]), floor_E, &Q);
+    }
+
+    // 3. replicas for ranks still over, most over first
+    std::vector<detail::Replica> replicas;
+    auto holds = [&](int32_t e, int32_t j) {
+      if (detail::fixed_owner(e, E, W) == j) return true;
+      for (const detail::Replica& x : replicas)
+        if (x.expert == e && x.rank == j) return true;
+      return false;
+    };
+    std::vector<int64_t> owner_bwd(Q);  // retained rows left at the owner
+    std::vector<int32_t> ranks(static_cast<size_t>(W));
+    std::iota(ranks.begin(), ranks.end(), 0);
+    std::stable_sort(ranks.begin(), ranks.end(), [&](int32_t a, int32_t b) {
+      return rows_to_shed(a, fb + bb) > rows_to_shed(b, fb + bb);
+    });
+    bool slots_bind = false;
+    for (int32_t r : ranks) {
+      if (rows_to_shed(r, fb + bb) == 0) continue;
+      std::vector<int32_t> hot = owned_by(r);
+      std::stable_sort(hot.begin(), hot.end(), [&](int32_t a, int32_t b) { return Q[a] > Q[b]; });
+      for (int32_t e : hot) {
+        while (owner_bwd[e] > 0) {
+          const int64_t need = rows_to_shed(r, fb + bb);
+          if (need == 0) break;
+          int32_t t = -1;
+          int64_t t_rows = 0;
+          bool slot_short = false;
+          for (int32_t j = 0; j < W; ++j) {
+            if (j == r) continue;
+            if (holds(e, j)) continue;
+            // rows j can take with a new replica: bytes left after the copy, row capacity
+            const int64_t left = -over_bytes(j) - copy;
+            int64_t rows = left < 0 ? 0 : (fb + bb > 0 ? left / (fb + bb) : kUnbounded);
+            rows = std::min(rows, std::max<int64_t>(0, cap_rows - bwd_W[j]));
+            if (rows <= 0) continue;
+            if (reps_W[j] >= in.replica_slots) { slot_short = true; continue; }
+            if (rows > t_rows) { t = j; t_rows = rows; }
+          }
+          if (t < 0) { slots_bind = slots_bind || slot_short; break; }
+          const int64_t q = std::min({need, owner_bwd[e], t_rows});
+          replicas.push_back({e, t, q});
+          owner_bwd[e] -= q;
+          reps_W[t] += 1;
+          fwd_W[t] += q; bwd_W[t] += q;
+          fwd_W[r] -= q; bwd_W[r] -= q;
+        }
+      }
+    }
+
+    detail::RankBytes bytes;
+    bytes.base_W.assign(static_cast<size_t>(W), base);
+    bytes.replica_W.resize(static_cast<size_t>(W));
+    for (int32_t r = 0; r < W; ++r) bytes.replica_W[r] = reps_W[r] * copy;
+    Plan p = detail::assemble(in, kind(), detail::fixed_layout(in, n_E, replicas), Q, bytes,
+                              true, target_rows);
+    if (!p.feasible) {  // why lrmoe could not fix it (built only here: formatting is slow)
+      if (slots_bind)
+        p.reason += "; replica_slots: ranks with room had no free slot (replica_slots=" +
+                    std::to_string(in.replica_slots) + "); more slots would help";
+      else if (in.recalibration_rate == 0.0)
+        p.reason += "; c = 0 is exact (no demand cut): a recalibration rate c > 0 lets lrmoe "
+                    "cut demand";
+      else
+        p.reason += "; every expert of the rank is at its cut floor (max_expert_cut=" +
+                    std::to_string(in.max_expert_cut) + ") and no rank has room for a replica";
+    }
+    if (!p.feasible && slots_bind && p.binding == Binding::kMemory) p.binding = Binding::kReplicaSlots;
+    return p;
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Policy> make_lrmoe_policy() { return std::make_unique<LRMoEPolicy>(); }
+
+}  // namespace planner
+}  // namespace lrmoe

@@ -1,0 +1,324 @@
+"""Placement planning: which ranks hold each expert, where every routed pair runs, how
+many pairs keep their backward, and what it costs in memory (docs/planner.md).
+
+The planner itself is plain C++ (``csrc/planner``), reached through the ``lrmoe.plan``
+op; this module is its Python face: the model shapes and byte sizes, routed loads
+(synthetic or from a routing trace), and :func:`plan`, which returns a frozen
+:class:`Plan` built from the op's arrays. Every rank computes the same plan from the
+same all-gathered counts.
+
+Legend: W ranks of the expert-parallel group (= source ranks), E experts, K top_k,
+I expert instances (owner copies + replicas; not the intermediate size), H hidden size,
+``load_WE`` routed pairs from source s to expert e, ``forward_IW`` / ``retained_IW``
+rows of the (instance, source) cells, ``memory_W4`` bytes per rank (base experts,
+replicas, forward tokens, backward tokens).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from lrmoe import _C  # noqa: F401  (registers the ops)
+from lrmoe.ops import QUOTA_RULES
+
+POLICIES = ("fixed", "ultraep", "symi", "lrmoe")
+BINDINGS = ("none", "memory", "backward_row_capacity", "replica_slots")
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The MoE shape the byte sizes come from.
+
+    Attributes:
+        name: preset name.
+        hidden_size: H.
+        moe_intermediate_size: I of one expert (SwiGLU: gate, up, down).
+        num_experts: E routed experts per layer.
+        top_k: K experts per token.
+        moe_layers: MoE layers of the model (for the whole-model notes in docs/planner.md).
+    """
+
+    name: str
+    hidden_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    top_k: int
+    moe_layers: int
+
+
+#: Shapes of docs/planner.md ("Model presets"), from the models' transformers configs.
+MODEL_SHAPES: Dict[str, ModelShape] = {
+    "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", 2048, 768, 128, 8, 48),
+    "glm-4.5-air": ModelShape("glm-4.5-air", 4096, 1408, 128, 8, 45),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryModel:
+    """Bytes of one expert copy and of one token row on a rank (docs/planner.md,
+    "Memory model"); all plain bytes.
+
+    Attributes:
+        expert_weight_bytes: one copy's weights (bf16: 3 H I x 2).
+        expert_grad_bytes: one copy's fp32 gradient buffer (3 H I x 4).
+        expert_optimizer_bytes: fp32 master weights + Adam m, v (3 H I x 12).
+        optimizer_on_device: False when the optimizer state lives on the host.
+        forward_row_bytes: per routed row computed on a rank: dispatched x (2H), saved
+            gate/up activations (2 x 2I), expert output (2H), in bf16.
+        backward_row_bytes: per retained row: gradient row (2H), gathered x (2H),
+            gathered gate/up (4I), phi (2I), grad phi (2I), grad gate/up (4I), dx (2H).
+        budget_bytes: B, device memory per GPU.
+        resident_bytes: what lives outside this layer's experts and token buffers
+            (parameters, optimizer state, attention activations), measured or configured.
+    """
+
+    expert_weight_bytes: int
+    expert_grad_bytes: int
+    expert_optimizer_bytes: int
+    forward_row_bytes: int
+    backward_row_bytes: int
+    budget_bytes: int
+    resident_bytes: int
+    optimizer_on_device: bool = True
+
+    @classmethod
+    def from_shape(cls, shape: ModelShape, budget_bytes: int, resident_bytes: int,
+                   optimizer_on_device: bool = True) -> "MemoryModel":
+        """The byte sizes of ``shape`` (formulas in the attribute docs above)."""
+        h, i = shape.hidden_size, shape.moe_intermediate_size
+        params = 3 * h * i
+        return cls(expert_weight_bytes=2 * params, expert_grad_bytes=4 * params,
+                   expert_optimizer_bytes=12 * params,
+                   forward_row_bytes=2 * h + 2 * 2 * i + 2 * h,
+                   backward_row_bytes=2 * h + 2 * h + 4 * i + 2 * i + 2 * i + 4 * i + 2 * h,
+                   budget_bytes=budget_bytes, resident_bytes=resident_bytes,
+                   optimizer_on_device=optimizer_on_device)
+
+    def as_list(self) -> List[int]:
+        return [self.expert_weight_bytes, self.expert_grad_bytes, self.expert_optimizer_bytes,
+                self.forward_row_bytes, self.backward_row_bytes, self.budget_bytes,
+                self.resident_bytes]
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GiB"``, ``"512MiB"``, ``"1.5e9"`` -> bytes (int).
+
+    Raises:
+        ValueError: not a number with an optional B/KiB/MiB/GiB/TiB (or KB/MB/GB/TB) unit.
+    """
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([KMGT]i?B|B)?\s*", str(text), re.I)
+    if not m:
+        raise ValueError(f"cannot read {text!r} as a size; write e.g. 80GiB, 512MiB or 1e9")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1}
+    for k, p in zip("KMGT", range(1, 5)):
+        scale[f"{k}IB"] = 1024 ** p
+        scale[f"{k}B"] = 1000 ** p
+    return int(float(m.group(1)) * scale[unit])
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One layer's plan for one micro-batch (docs/planner.md, "The plan").
+
+    Attributes:
+        policy: the policy that made it.
+        instance_offsets: (E + 1,) int64; instances of expert e are
+            ``[instance_offsets[e], instance_offsets[e + 1])``, the owner first.
+        instance_rank: (I,) int64 rank of each instance (one per rank per expert at most).
+        forward_IW: (I, W) int64 forward rows of (instance, source); summed over an
+            expert's instances it is ``load_WE[:, e]``: every routed pair runs once.
+        retained_IW: (I, W) int64 retained rows (backward shares), ``<= forward_IW``;
+            an expert's cells sum to ``quota_E[e]``.
+        quota_E: (E,) int64 retention quotas (the baselines keep every pair).
+        fixed_rows_W: (W,) rows per rank under fixed ownership (-1 where E % W != 0).
+        forward_rows_W, backward_rows_W: (W,) rows each rank computes forward / backward.
+        memory_W4: (W, 4) int64 bytes: base experts, replicas, forward tokens, backward tokens.
+        limit_bytes: budget - resident, every rank's limit.
+        replicas: instances beyond the owners.
+        feasible: every rank within its limit (and row capacity).
+        binding: which constraint binds (one of :data:`BINDINGS`).
+        binding_rank: the rank furthest over (-1 when feasible).
+        shortfall: bytes (memory) or rows (row capacity) over the limit.
+        reason: why it does not fit, naming the constraint and by how much ('' if it fits).
+    """
+
+    policy: str
+    instance_offsets: torch.Tensor
+    instance_rank: torch.Tensor
+    forward_IW: torch.Tensor
+    retained_IW: torch.Tensor
+    quota_E: torch.Tensor
+    fixed_rows_W: torch.Tensor
+    forward_rows_W: torch.Tensor
+    backward_rows_W: torch.Tensor
+    memory_W4: torch.Tensor
+    limit_bytes: int
+    replicas: int
+    feasible: bool
+    binding: str
+    binding_rank: int
+    shortfall: int
+    reason: str
+
+    def instances(self, expert: int) -> List[int]:
+        """Ranks holding ``expert``, owner first."""
+        a, b = self.instance_offsets[expert].item(), self.instance_offsets[expert + 1].item()
+        return self.instance_rank[a:b].tolist()
+
+    def peak_bytes(self) -> int:
+        """The largest per-rank total of the four memory parts."""
+        return int(self.memory_W4.sum(dim=1).max().item())
+
+
+def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 0.0,
+         quota_rule: str = "proportional", replica_slots: int = 2, symi_slots: int = 0,
+         previous_load_E=None, max_expert_cut: float = 0.5, backward_row_capacity: int = 0,
+         min_replica_rows: int = 1, balance_slack: Optional[float] = None) -> Plan:
+    """Plan one layer's placement with ``policy`` (csrc/planner; docs/planner.md).
+
+    Args:
+        load_WE: (W, E) non-negative ints (tensor, array or nested lists): routed pairs
+            from source rank s to expert e, as all-gathered after the counts exchange.
+        policy: one of :data:`POLICIES`.
+        memory: byte sizes and budget (:class:`MemoryModel`).
+        recalibration_rate: c in [0, 1); only ``lrmoe`` cuts demand (the baselines are
+            exact in the backward).
+        quota_rule: ``proportional`` or ``water_level`` (docs/algorithm.md).
+        replica_slots: R spare expert slots per rank (ultraep, symi, lrmoe's most replicas
+            per rank); ultraep needs R >= 1.
+        symi_slots: S slots per GPU for symi (0: ceil(E / W) + R).
+        previous_load_E: (E,) the previous step's popularity for symi (None: this step's).
+        max_expert_cut: lrmoe keeps at least floor((1 - this) n_e) of an expert's pairs.
+        backward_row_capacity: most retained rows per rank (0: memory only).
+        min_replica_rows: ultraep's u_min, the fewest rows a replica carries.
+        balance_slack: lrmoe also aims at most (1 + this) x the mean retained rows per
+            rank (cutting the hot ranks' experts within their floors, then replicating);
+            a target, never a reason to be infeasible. None: memory (and row capacity) only.
+
+    Returns:
+        A :class:`Plan`; ``plan.feasible`` is False (with ``plan.reason``) when it cannot fit.
+
+    Raises:
+        ValueError: bad input, naming the argument (negative loads, E not a multiple of W
+            where the policy needs fixed ownership, budget below resident, zero slots...).
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+    if quota_rule not in QUOTA_RULES:
+        raise ValueError(f"quota_rule must be one of {', '.join(QUOTA_RULES)}; got {quota_rule!r}")
+    if balance_slack is not None and not balance_slack >= 0:
+        raise ValueError(f"balance_slack must be >= 0 (or None: off), got {balance_slack}")
+    load = torch.as_tensor(np.asarray(load_WE), dtype=torch.int64)
+    if load.dim() != 2:
+        raise ValueError(f"load_WE must be 2-D (W ranks, E experts), got shape {tuple(load.shape)}")
+    prev = None if previous_load_E is None else torch.as_tensor(np.asarray(previous_load_E),
+                                                                dtype=torch.int64)
+    (offsets, ranks, fwd, kept, quota, rows, mem, status, reason) = torch.ops.lrmoe.plan(
+        load, policy, memory.as_list(), memory.optimizer_on_device, float(recalibration_rate),
+        quota_rule, int(replica_slots), int(symi_slots), prev, float(max_expert_cut),
+        int(backward_row_capacity), int(min_replica_rows),
+        -1.0 if balance_slack is None else float(balance_slack))
+    s = status.tolist()
+    return Plan(policy=policy, instance_offsets=offsets, instance_rank=ranks, forward_IW=fwd,
+                retained_IW=kept, quota_E=quota, fixed_rows_W=rows[0], forward_rows_W=rows[1],
+                backward_rows_W=rows[2], memory_W4=mem, limit_bytes=s[4], replicas=s[5],
+                feasible=bool(s[0]), binding=BINDINGS[s[1]], binding_rank=s[2], shortfall=s[3],
+                reason=reason)
+
+
+# ---- routed loads -----------------------------------------------------------------
+
+def zipf_exponent(num_experts: int, max_over_mean: float) -> float:
+    """The exponent a with max/mean = ``max_over_mean`` for popularity p_e ~ 1/(e+1)^a.
+
+    Raises:
+        ValueError: ``max_over_mean`` outside [1, E) (uniform is 1; all on one expert is E).
+    """
+    if not 1.0 <= max_over_mean < num_experts:
+        raise ValueError(f"max_over_mean must be in [1, E={num_experts}) (1 = uniform), got "
+                         f"{max_over_mean}")
+    ranks = np.arange(1, num_experts + 1, dtype=np.float64)
+
+    def ratio(a: float) -> float:
+        w = ranks ** -a
+        return float(w[0] / w.mean())
+
+    lo, hi = 0.0, 1.0
+    while ratio(hi) < max_over_mean:
+        hi *= 2.0
+    for _ in range(100):  # bisection: ratio grows with a
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if ratio(mid) < max_over_mean else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def synthetic_loads(num_ranks: int, num_experts: int, pairs_per_rank: int,
+                    max_over_mean: float = 1.0, seed: int = 0,
+                    popularity_seed: Optional[int] = None) -> np.ndarray:
+    """(W, E) int64 routed pairs: every source rank draws ``pairs_per_rank`` pairs from one
+    expert popularity, uniform (``max_over_mean`` = 1) or Zipf with that max/mean.
+
+    The Zipf ranks are shuffled over the experts (``popularity_seed``, default ``seed``),
+    so hot experts land on random owners; the draw itself uses ``seed`` (a second step of
+    the same popularity: same ``popularity_seed``, another ``seed``). Pairs, not tokens:
+    a token's K experts are drawn independently here.
+
+    Raises:
+        ValueError: non-positive sizes or ``max_over_mean`` outside [1, E).
+    """
+    if num_ranks < 1 or num_experts < 1 or pairs_per_rank < 0:
+        raise ValueError(f"need num_ranks >= 1, num_experts >= 1, pairs_per_rank >= 0; got "
+                         f"{num_ranks}, {num_experts}, {pairs_per_rank}")
+    a = 0.0 if max_over_mean == 1.0 else zipf_exponent(num_experts, max_over_mean)
+    p = np.arange(1, num_experts + 1, dtype=np.float64) ** -a
+    np.random.default_rng(seed if popularity_seed is None else popularity_seed).shuffle(p)
+    rng = np.random.default_rng([seed, 1])
+    return rng.multinomial(pairs_per_rank, p / p.sum(), size=num_ranks).astype(np.int64)
+
+
+def trace_loads(path: os.PathLike, num_ranks: int, tokens_per_rank: Optional[int] = None,
+                record: Optional[int] = None, seed: int = 0) -> Tuple[np.ndarray, dict]:
+    """(W, E) routed pairs from a routing trace (``lrmoe train --record-trace``) and its meta.
+
+    With ``record`` (an index into the trace's (step, layer) records), that record's
+    tokens are dealt to the W source ranks in contiguous blocks (data-parallel shards).
+    Otherwise ``W x tokens_per_rank`` tokens are drawn with replacement from all records
+    (:func:`lrmoe.trace.trace_routing`), which keeps the recorded model's skew at any
+    batch size (default: the records' own token count per rank).
+
+    Raises:
+        FileNotFoundError: no trace at ``path``.
+        ValueError: ``record`` out of range or fewer tokens than ranks.
+    """
+    from lrmoe.trace import load_trace, trace_routing
+
+    meta, arrays = load_trace(path)
+    E, K = int(meta["num_experts"]), int(meta["top_k"])
+    if record is not None:
+        if not -len(arrays) <= record < len(arrays):
+            raise ValueError(f"record must index the trace's {len(arrays)} records, got {record}")
+        ids_TK = arrays[record]
+    else:
+        tokens = tokens_per_rank if tokens_per_rank is not None else max(
+            1, arrays[0].shape[0] // num_ranks)
+        ids_TK = trace_routing(path, num_ranks * tokens, E, K, seed=seed).numpy()
+    if ids_TK.shape[0] < num_ranks:
+        raise ValueError(f"the trace record has {ids_TK.shape[0]} tokens, fewer than the "
+                         f"{num_ranks} ranks; pass tokens_per_rank to resample")
+    load = np.zeros((num_ranks, E), dtype=np.int64)
+    for s, block in enumerate(np.array_split(ids_TK, num_ranks)):
+        load[s] = np.bincount(block.reshape(-1), minlength=E)
+    return load, meta
+
+
+def imbalance(rows: Sequence[int]) -> float:
+    """max / mean of per-rank rows (1.0 when all are zero)."""
+    r = np.asarray(rows, dtype=np.float64)
+    return float(r.max() / r.mean()) if r.size and r.mean() > 0 else 1.0
