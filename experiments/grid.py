@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,6 +57,13 @@ class Cell:
         if not self.name or bad:
             raise ValueError(f"Cell.name {self.name!r} must be a non-empty directory name of "
                              "letters, digits and -_.= only")
+
+
+def default_cell_name(rate: float, seed: int) -> str:
+    """The name of the cell with the default LRMoE settings (metric ``lrm``, selection
+    ``topk``, quota rule ``proportional``) at ``rate`` and ``seed``: every recipe names
+    that cell alike, so recipes run into one ``--out`` run it once."""
+    return f"c{rate:g}-s{seed}"
 
 
 def _read_json(path: Path) -> Optional[dict]:
@@ -114,7 +122,8 @@ def _run(cmd: List[str], log_path: Path) -> int:
 
 
 def run_grid(cells: Sequence[Cell], root: str | os.PathLike, base_args: Sequence[str],
-             steps: int, *, python: str = sys.executable) -> Dict[str, str]:
+             steps: int, *, python: str = sys.executable,
+             prune_checkpoints: bool = False) -> Dict[str, str]:
     """Run every cell of the grid that has not finished (see the module docstring).
 
     Args:
@@ -124,6 +133,9 @@ def run_grid(cells: Sequence[Cell], root: str | os.PathLike, base_args: Sequence
         base_args: ``lrmoe train`` arguments shared by every cell (preset, device, ...).
         steps: optimizer steps of every cell (``--steps``).
         python: the interpreter that runs ``-m lrmoe train``.
+        prune_checkpoints: delete a cell's ``checkpoints/`` once it has finished (its
+            metrics and summary stay; for grids of models too large to keep every
+            checkpoint on disk). A pruned cell can no longer be extended to more steps.
 
     Returns:
         ``{cell name: "done" | "skipped" | "failed (exit N)"}``.
@@ -157,6 +169,8 @@ def run_grid(cells: Sequence[Cell], root: str | os.PathLike, base_args: Sequence
         t0 = time.time()
         rc = _run(cmd, root / LOG_DIR / f"{cell.name}.log")
         status[cell.name] = "done" if rc == 0 else f"failed (exit {rc})"
+        if rc == 0 and prune_checkpoints:
+            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
         print(f"[grid] cell {cell.name}: {status[cell.name]} in {time.time() - t0:.0f} s",
               flush=True)
     return status

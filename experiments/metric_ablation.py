@@ -14,17 +14,19 @@ import sys
 import analysis
 import plots
 import recipe
-from grid import Cell
+from grid import Cell, default_cell_name
 
 RECIPE = "metric_ablation"
 
 
 def cells(args):
     """c = 0 per seed, then (metric, rate, seed)."""
-    out = [Cell(f"c0-s{s}", ["-c", "0", "--set", f"seed={s}"],
+    out = [Cell(default_cell_name(0, s), ["-c", "0", "--set", f"seed={s}"],
                 {"metric": "none", "rate": 0.0, "seed": s}) for s in args.seeds]
-    out += [Cell(f"{m}-c{c:g}-s{s}", ["-c", f"{c:g}", "--metric", m, "--selection",
-                                      args.selection, "--set", f"seed={s}"],
+    out += [Cell(default_cell_name(c, s) if (m, args.selection) == ("lrm", "topk")
+                 else f"{m}-{args.selection}-c{c:g}-s{s}",
+                 ["-c", f"{c:g}", "--metric", m, "--selection", args.selection,
+                  "--set", f"seed={s}"],
                  {"metric": m, "rate": c, "seed": s})
             for c in args.rates for m in args.metrics for s in args.seeds]
     return out

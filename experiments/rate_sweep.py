@@ -15,14 +15,16 @@ import sys
 import analysis
 import plots
 import recipe
-from grid import Cell
+from grid import Cell, default_cell_name
 
 RECIPE = "rate_sweep"
 
 
 def cells(args):
     """One cell per (rate, seed)."""
-    return [Cell(f"c{c:g}-s{s}", ["-c", f"{c:g}", "--metric", args.metric,
+    return [Cell(default_cell_name(c, s) if (args.metric, args.selection) == ("lrm", "topk")
+                 else f"{args.metric}-{args.selection}-c{c:g}-s{s}",
+                 ["-c", f"{c:g}", "--metric", args.metric,
                                   "--selection", args.selection, "--set", f"seed={s}"],
                  {"rate": c, "seed": s})
             for c in args.rates for s in args.seeds]

@@ -38,13 +38,17 @@ def parser(recipe: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="grid directory")
     p.add_argument("--analyse-only", action="store_true",
                    help="do not run anything: analyse the runs already in --out")
+    p.add_argument("--prune-checkpoints", action="store_true",
+                   help="delete each finished cell's checkpoints (large models)")
     p.add_argument("--dry-run", action="store_true", help="print the cells and exit")
     return p
 
 
 def base_args(args: argparse.Namespace) -> List[str]:
     """``lrmoe train`` arguments shared by every cell of the grid."""
-    out = ["--preset", args.preset, "--device", args.device, "--set", "progress=lines"]
+    # every step logged: time to loss sums the steps' times (experiments/analysis.py)
+    out = ["--preset", args.preset, "--device", args.device, "--set", "progress=lines",
+           "--set", "log_every=1", "--set", "run.time_moe=true"]
     if args.eval_every is not None:
         out += ["--set", f"eval_every={args.eval_every}"]
     for s in args.sets:
@@ -73,7 +77,8 @@ def main(recipe: str, args: argparse.Namespace, cells: Sequence[_grid.Cell],
         return 0
     status = {}
     if not args.analyse_only:
-        status = _grid.run_grid(cells, out, base_args(args), args.steps)
+        status = _grid.run_grid(cells, out, base_args(args), args.steps,
+                                 prune_checkpoints=args.prune_checkpoints)
     records = _grid.collect(cells, out)
     command = "python " + " ".join(shlex.quote(a) for a in
                                    [f"experiments/{recipe}.py", *(argv or sys.argv[1:])])

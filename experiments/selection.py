@@ -15,17 +15,19 @@ import sys
 import analysis
 import plots
 import recipe
-from grid import Cell
+from grid import Cell, default_cell_name
 
 RECIPE = "selection"
 
 
 def cells(args):
     """c = 0 per seed, then (selection, quota rule, rate, seed)."""
-    out = [Cell(f"c0-s{s}", ["-c", "0", "--set", f"seed={s}"],
+    out = [Cell(default_cell_name(0, s), ["-c", "0", "--set", f"seed={s}"],
                 {"selection": "none", "quota_rule": "none", "rate": 0.0, "seed": s})
            for s in args.seeds]
-    out += [Cell(f"{sel}-{q}-c{c:g}-s{s}",
+    out += [Cell(default_cell_name(c, s)
+                 if (sel, q, args.metric) == ("topk", "proportional", "lrm")
+                 else f"{args.metric}-{sel}-{q}-c{c:g}-s{s}",
                  ["-c", f"{c:g}", "--metric", args.metric, "--selection", sel,
                   "--quota-rule", q, "--set", f"seed={s}"],
                  {"selection": sel, "quota_rule": q, "rate": c, "seed": s})

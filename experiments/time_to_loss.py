@@ -17,7 +17,7 @@ import sys
 import analysis
 import plots
 import recipe
-from grid import Cell
+from grid import Cell, default_cell_name
 
 RECIPE = "time_to_loss"
 
@@ -25,7 +25,9 @@ RECIPE = "time_to_loss"
 def cells(args):
     """(rate, seed) for c = 0 and each of ``--rates``."""
     rates = [0.0] + [c for c in args.rates if c != 0]
-    return [Cell(f"c{c:g}-s{s}", ["-c", f"{c:g}", "--metric", args.metric, "--selection",
+    return [Cell(default_cell_name(c, s) if (args.metric, args.selection) == ("lrm", "topk")
+                 else f"{args.metric}-{args.selection}-c{c:g}-s{s}",
+                 ["-c", f"{c:g}", "--metric", args.metric, "--selection",
                                   args.selection, "--set", f"seed={s}"],
                  {"rate": c, "seed": s}) for c in rates for s in args.seeds]
 

@@ -1,6 +1,6 @@
 // Retention quotas: how many routed pairs of each expert keep their backward.
 //
-// Plain C++17, no torch. Every function is also compiled for the device
+// Plain C++17, no torch. Every per-expert function is also compiled for the device
 // (LRMOE_HD): the CUDA quota kernel runs one thread per expert on exactly this
 // code, so the CPU path, the GPU path and the GoogleTests share one definition.
 //
@@ -10,7 +10,10 @@
 #pragma once
 
 #include <math.h>  // llrint, ldexp: host and device (CUDA math API)
+#include <algorithm>
 #include <cstdint>
+#include <numeric>
+#include <vector>
 
 #if defined(__CUDACC__)
 #define LRMOE_HD __host__ __device__
@@ -175,11 +178,92 @@ LRMOE_HD inline int64_t source_share(int64_t s, int64_t e, const int32_t* counts
   return base_s + (rank < extra ? 1 : 0);
 }
 
-// Host helper: all quotas at once (O(E^2 log N); E is at most a few thousand).
-inline void compute_quotas(QuotaRule rule, const int32_t* n_E, int64_t E,
-                           double recalibration_rate, int32_t* quota_E) {
-  for (int64_t e = 0; e < E; ++e)
-    quota_E[e] = static_cast<int32_t>(expert_quota(rule, e, n_E, E, recalibration_rate));
+// ---- host: all quotas of one layer at once, O(E log E) -------------------------------
+// The same rules and integer arithmetic as expert_quota above, whose per-expert form
+// (one GPU thread per expert) costs O(E) per expert: all E of them on the host would
+// be O(E^2) (about 70 us at E = 128, more than a whole placement plan may take). Here
+// one sort ranks the experts instead. tests/cpp/test_quota.cpp checks every quota of
+// this form against expert_quota (and both against exact references).
+
+namespace detail {
+
+// Proportional: Q_e = floor(keep n_e / q) plus one for the `extra` experts with the
+// largest remainders (keep n_e) mod q, ties to the lower index (proportional_quota).
+template <typename In, typename Out>
+inline void proportional_all(const In* n_E, int64_t E, double c, Out* quota_E) {
+  const RateFraction f = rate_fraction(c);
+  const int64_t keep = f.q - f.p;
+  int64_t total = 0, base_sum = 0;
+  std::vector<int32_t> order;
+  order.reserve(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = n_E[e];
+    total += n;
+    quota_E[e] = static_cast<Out>(keep * n / f.q);
+    base_sum += keep * n / f.q;
+    if (keep * n % f.q != 0) order.push_back(static_cast<int32_t>(e));
+  }
+  const int64_t extra = keep * total / f.q - base_sum;  // < order.size()
+  if (extra <= 0) return;
+  auto rem = [&](int32_t e) { return keep * static_cast<int64_t>(n_E[e]) % f.q; };
+  std::nth_element(order.begin(), order.begin() + (extra - 1), order.end(),
+                   [&](int32_t a, int32_t b) {
+                     const int64_t ra = rem(a), rb = rem(b);
+                     return ra > rb || (ra == rb && a < b);
+                   });
+  for (int64_t k = 0; k < extra; ++k) quota_E[order[static_cast<size_t>(k)]] += 1;
+}
+
+// Water level: the largest level L in [0, max n] with sum_e min(n_e, L) <= S, S =
+// retained_total; Q_e = min(n_e, L), then one more for the S - filled experts above
+// L, most loaded first, ties to the lower index (water_level_quota).
+template <typename In, typename Out>
+inline void water_level_all(const In* n_E, int64_t E, double c, Out* quota_E) {
+  std::vector<int32_t> order(static_cast<size_t>(E));
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+    return n_E[a] > n_E[b] || (n_E[a] == n_E[b] && a < b);
+  });
+  int64_t total = 0;
+  for (int64_t e = 0; e < E; ++e) total += n_E[e];
+  const int64_t target = retained_total(total, c);
+  // Walk the loads ascending (order reversed): with prefix = sum of loads below v_k and
+  // m = E - k loads at or above it, filled(L) = prefix + L m for L in (v_{k-1}, v_k].
+  int64_t level = E > 0 ? static_cast<int64_t>(n_E[order[0]]) : 0, prefix = 0;
+  for (int64_t k = 0; k < E; ++k) {
+    const int64_t v = n_E[order[static_cast<size_t>(E - 1 - k)]];
+    const int64_t m = E - k;
+    if (prefix + v * m > target) {
+      level = (target - prefix) / m;  // >= previous v, since filled(previous v) <= target
+      break;
+    }
+    prefix += v;
+  }
+  int64_t filled = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t q = std::min(static_cast<int64_t>(n_E[e]), level);
+    quota_E[e] = static_cast<Out>(q);
+    filled += q;
+  }
+  int64_t extra = target - filled;
+  for (int64_t k = 0; k < E && extra > 0; ++k, --extra) {
+    const int32_t e = order[static_cast<size_t>(k)];
+    if (n_E[e] <= level) break;
+    quota_E[e] += 1;
+  }
+}
+
+}  // namespace detail
+
+// Q_E for loads n_E (each in [0, 2^31); In, Out: int32_t or int64_t);
+// sum(Q) = floor((1 - c) sum(n)). Host only.
+template <typename In, typename Out>
+inline void compute_quotas(QuotaRule rule, const In* n_E, int64_t E,
+                           double recalibration_rate, Out* quota_E) {
+  if (rule == QuotaRule::kWaterLevel)
+    detail::water_level_all(n_E, E, recalibration_rate, quota_E);
+  else
+    detail::proportional_all(n_E, E, recalibration_rate, quota_E);
 }
 
 }  // namespace core

@@ -1,7 +1,7 @@
 // LRMoE: retention quotas and replicas planned jointly under the per-GPU budget.
 // docs/planner.md, "lrmoe", states the rules; in short:
 //
-//   1. Q = the quota rule at c (planner/quotas.h; core/quota.h rules).
+//   1. Q = the quota rule at c (core::compute_quotas, csrc/core/quota.h).
 //   2. Owners as fixed ownership. A rank whose bytes (or retained rows, with
 //      backward_row_capacity) exceed its limit first cuts demand on its hottest
 //      experts: a water level over their quotas, no expert below
@@ -27,7 +27,6 @@
 
 #include "planner/common.h"
 #include "planner/policies.h"
-#include "planner/quotas.h"
 
 namespace lrmoe {
 namespace planner {
@@ -90,7 +89,7 @@ class LRMoEPolicy final : public Policy {
     const MemoryModel& m = in.memory;
     const std::vector<int64_t> n_E = detail::expert_loads(in);
     std::vector<int64_t> Q(static_cast<size_t>(E));
-    all_quotas(in.quota_rule, n_E.data(), E, in.recalibration_rate, Q.data());
+    core::compute_quotas(in.quota_rule, n_E.data(), E, in.recalibration_rate, Q.data());
     std::vector<int64_t> floor_E(Q);
     if (in.recalibration_rate > 0.0)
       for (int32_t e = 0; e < E; ++e)

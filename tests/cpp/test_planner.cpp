@@ -22,7 +22,6 @@
 
 #include "core/quota.h"
 #include "planner/plan.h"
-#include "planner/quotas.h"
 #include "planner/route.h"
 
 namespace {
@@ -63,26 +62,6 @@ std::vector<int64_t> random_loads(std::mt19937_64& rng, int W, int E, int64_t pe
 }
 
 // ---- quotas and routing against the per-expert definitions -----------------
-
-TEST(PlannerQuotas, AllQuotasEqualCoreExpertQuota) {
-  std::mt19937_64 rng(7);
-  const double rates[] = {0.0, 0.1, 0.2, 0.25, 1.0 / 3.0, 0.3, 0.5, 0.9, 0.999999};
-  for (int trial = 0; trial < 400; ++trial) {
-    const int E = 1 + static_cast<int>(rng() % 64);
-    const int64_t hi = trial % 3 == 0 ? 4 : 5000;  // small loads make many ties
-    std::vector<int64_t> n(E);
-    std::vector<int32_t> n32(E);
-    for (int e = 0; e < E; ++e) n32[e] = static_cast<int32_t>(n[e] = static_cast<int64_t>(rng() % (hi + 1)));
-    for (double c : rates)
-      for (QuotaRule rule : {QuotaRule::kProportional, QuotaRule::kWaterLevel}) {
-        std::vector<int64_t> q(E, -1);
-        all_quotas(rule, n.data(), E, c, q.data());
-        for (int e = 0; e < E; ++e)
-          ASSERT_EQ(q[e], lrmoe::core::expert_quota(rule, e, n32.data(), E, c))
-              << "trial " << trial << " c " << c << " rule " << int(rule) << " e " << e;
-      }
-  }
-}
 
 TEST(PlannerRoute, LargestRemainderEqualsCoreSourceShare) {
   std::mt19937_64 rng(11);
@@ -219,7 +198,7 @@ struct Check {
     }
     if (p.policy == PolicyKind::kLRMoE) {
       std::vector<int64_t> q(E);
-      all_quotas(in.quota_rule, n.data(), E, in.recalibration_rate, q.data());
+      lrmoe::core::compute_quotas(in.quota_rule, n.data(), E, in.recalibration_rate, q.data());
       for (int e = 0; e < E; ++e) {
         ASSERT_LE(p.quota_E[e], q[e]);
         const int64_t floor_e = in.recalibration_rate > 0

@@ -443,3 +443,24 @@ TEST(SourceShare, MatchesRationalLargestRemainderReference) {
 }
 
 }  // namespace
+
+// the host form (one sort, int64 loads) against the per-expert (device) form
+TEST(CoreQuotas, HostFormEqualsPerExpertForm) {
+  std::mt19937_64 rng(7);
+  const double rates[] = {0.0, 0.1, 0.2, 0.25, 1.0 / 3.0, 0.3, 0.5, 0.9, 0.999999};
+  for (int trial = 0; trial < 400; ++trial) {
+    const int E = 1 + static_cast<int>(rng() % 64);
+    const int64_t hi = trial % 3 == 0 ? 4 : 5000;  // small loads make many ties
+    std::vector<int64_t> n(E);
+    std::vector<int32_t> n32(E);
+    for (int e = 0; e < E; ++e) n32[e] = static_cast<int32_t>(n[e] = static_cast<int64_t>(rng() % (hi + 1)));
+    for (double c : rates)
+      for (QuotaRule rule : {QuotaRule::kProportional, QuotaRule::kWaterLevel}) {
+        std::vector<int64_t> q(E, -1);
+        compute_quotas(rule, n.data(), E, c, q.data());
+        for (int e = 0; e < E; ++e)
+          ASSERT_EQ(q[e], lrmoe::core::expert_quota(rule, e, n32.data(), E, c))
+              << "trial " << trial << " c " << c << " rule " << int(rule) << " e " << e;
+      }
+  }
+}

@@ -92,6 +92,13 @@ def test_grid_runs_skips_resumes_and_records_failures(tmp_path, fake_python, mon
     assert status == {"c": "done"}
     assert "--overwrite" in _calls(root)[-1]["argv"]
 
+    # pruning: a finished cell loses its checkpoints, keeps its metrics and summary
+    grid.run_grid([grid.Cell("d", [], {})], root, [], 2, python=fake_python,
+                  prune_checkpoints=True)
+    assert not (root / "d" / "checkpoints").exists()
+    assert (root / "d" / "summary.json").is_file() and (root / "d" / "metrics.jsonl").is_file()
+    assert grid.cell_state(root / "d", 2) == "done"
+
     records = grid.collect(cells, root)
     assert json.loads((root / "results.json").read_text()) == records
     assert [r["name"] for r in records] == ["a", "b"]
