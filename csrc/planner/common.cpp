@@ -196,11 +196,13 @@ Plan assemble(const PlanInput& in, PolicyKind kind, const Layout& lay,
   // replicated ones, most retained rows first, over what room is left
   std::vector<int32_t> order(static_cast<size_t>(E));
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+  // a stable sort's order (the index as the last key) without its buffer allocation
+  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
     const bool ra = lay.offsets[a + 1] - lay.offsets[a] > 1;
     const bool rb = lay.offsets[b + 1] - lay.offsets[b] > 1;
     if (ra != rb) return rb;
-    return quota_E[a] > quota_E[b];
+    if (quota_E[a] != quota_E[b]) return quota_E[a] > quota_E[b];
+    return a < b;
   });
   std::vector<int64_t> f_n, room_n, b_n;
   int64_t unplaced = 0;

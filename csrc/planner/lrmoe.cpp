@@ -91,9 +91,12 @@ class LRMoEPolicy final : public Policy {
     std::vector<int64_t> Q(static_cast<size_t>(E));
     core::compute_quotas(in.quota_rule, n_E.data(), E, in.recalibration_rate, Q.data());
     std::vector<int64_t> floor_E(Q);
-    if (in.recalibration_rate > 0.0)
+    if (in.recalibration_rate > 0.0) {
+      // core::retained_total(n_e, max_expert_cut) with the fraction found once
+      const core::RateFraction cut = core::rate_fraction(in.max_expert_cut);
       for (int32_t e = 0; e < E; ++e)
-        floor_E[e] = std::min(Q[e], core::retained_total(n_E[e], in.max_expert_cut));
+        floor_E[e] = std::min(Q[e], n_E[e] > 0 ? (cut.q - cut.p) * n_E[e] / cut.q : 0);
+    }
 
     const int64_t copy = m.expert_weight_bytes + m.expert_grad_bytes;
     const int64_t base = (copy + (m.optimizer_on_device ? m.expert_optimizer_bytes : 0)) * per;
