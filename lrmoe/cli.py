@@ -41,6 +41,10 @@ def _add_train_parser(sub: Any) -> None:
     p.add_argument("-c", "--recalibration-rate", type=float, metavar="C",
                    help="LRMoE recalibration rate c in [0, 1) (share of pairs whose expert "
                         "backward is dropped)")
+    p.add_argument("--retained-mass-target", type=float, metavar="RHO",
+                   help="adaptive rate: per layer and step drop the most pairs (at most -c) "
+                        "that keep the retained score mass >= RHO "
+                        "(lrmoe.retained_mass_target)")
     p.add_argument("--metric", choices=METRICS, help="LRMoE pair score")
     p.add_argument("--quota-rule", choices=QUOTA_RULES, help="LRMoE per-expert quota rule")
     p.add_argument("--selection", choices=SELECTIONS, help="LRMoE pair selection")
@@ -139,7 +143,8 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 def _train_overrides(args: argparse.Namespace) -> Dict[str, Any]:
     """The direct flags as flat config keys (None: not given)."""
-    return {"recalibration_rate": args.recalibration_rate, "metric": args.metric,
+    return {"recalibration_rate": args.recalibration_rate,
+            "retained_mass_target": args.retained_mass_target, "metric": args.metric,
             "quota_rule": args.quota_rule, "selection": args.selection, "steps": args.steps,
             "data": args.data, "tokenizer": args.tokenizer, "init_from": args.init_from,
             "out_dir": args.out_dir, "device": args.device, "record_trace": args.record_trace,

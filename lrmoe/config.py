@@ -42,6 +42,12 @@ class LRMoEConfig:
         seed: base seed of ``random`` and ``importance``; each backward adds its step.
         selective_backward: False runs the plain exact backward without scoring or
             selection (requires c = 0); c = 0 with True is bit-identical to it.
+        retained_mass_target: 0 (default) drops exactly c of the pairs. rho* in (0, 1]:
+            the adaptive rate -- per layer and step, drop the largest share of the pairs,
+            at most c (``recalibration_rate`` is then the cap), that keeps the retained
+            score mass at or above rho* (:func:`lrmoe.experts.adaptive_rate`). One host
+            sync per layer backward (the kept count depends on the scores); one device
+            only (under EP the quotas are fixed in the forward, before any score exists).
 
     Raises:
         ValueError: naming the field and the accepted values, on any invalid setting.
@@ -64,6 +70,7 @@ class LRMoEConfig:
     selection: str = "topk"
     seed: int = 0
     selective_backward: bool = True
+    retained_mass_target: float = 0.0
     #: c as the exact fraction (p, q) of the quota arithmetic; derived, not an input.
     rate_pq: Tuple[int, int] = field(init=False, repr=False, compare=False, default=(0, 1))
 
@@ -99,6 +106,15 @@ class LRMoEConfig:
                 f"LRMoEConfig.selective_backward=False runs the exact backward, but "
                 f"recalibration_rate={c}; set recalibration_rate=0 or selective_backward=True")
         self.rate_pq = rate_fraction(c)
+        t = self.retained_mass_target
+        if (not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t)
+                or not 0.0 <= t <= 1.0):
+            raise ValueError(f"LRMoEConfig.retained_mass_target must be 0 (off) or in (0, 1], "
+                             f"got {t!r}")
+        if t > 0 and c == 0.0:
+            raise ValueError("LRMoEConfig.retained_mass_target > 0 picks the rate per step up "
+                             "to recalibration_rate, which is 0; set recalibration_rate to the "
+                             "most that may be dropped (e.g. 0.5)")
         if self.rate_pq[0] == self.rate_pq[1]:
             raise ValueError(
                 f"LRMoEConfig.recalibration_rate={c!r} rounds to c = 1 (the quota arithmetic "

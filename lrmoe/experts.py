@@ -194,9 +194,72 @@ class KeptPairs:
     num_retained: int
 
 
-#: () -> (quota_E reported in the stats, share_E this caller's rows may keep per expert,
-#: R = sum of the shares): the global quotas and this rank's shares under EP
-Quotas = Callable[[], Tuple[Tensor, Tensor, int]]
+#: (score_P or None) -> (quota_E reported in the stats, share_E this caller's rows may
+#: keep per expert, R = sum of the shares): the global quotas and this rank's shares
+#: under EP; score_P (the pairs' scores, row order) is None when selection is off
+Quotas = Callable[[Optional[Tensor]], Tuple[Tensor, Tensor, int]]
+
+
+def adaptive_rate(score_P: Tensor, offsets_E: Tensor, tokens_per_expert_E: Tensor,
+                  target: float, max_rate: float, rule: str) -> float:
+    """The recalibration rate of ``retained_mass_target`` (the adaptive rate).
+
+    The largest share of the pairs that can be dropped while the kept pairs hold at least
+    ``target`` of the total score, with the pairs kept the way the layer keeps them: at
+    rate c the quota rule gives Q_e(c) and expert e keeps its Q_e best pairs, so the
+    retained mass is rho(R) = sum_e (sum of the Q_e largest scores of e) / sum of all
+    scores. Returns c = 1 - R / P for the smallest R in [R_min, P] with rho(R) >= target
+    (R_min = floor((1 - max_rate) P): the cap), found by bisection on R (rho grows with R;
+    a step where largest-remainder rounding makes it dip is walked up). Exact for
+    ``topk``; with ``importance`` the rate is set by the same top-Q mass.
+
+    Args:
+        score_P: (P,) float32 pair scores (>= 0) in row order (experts contiguous).
+        offsets_E: (E,) int32 inclusive ends of the experts' rows.
+        tokens_per_expert_E: (E,) int32 routed pairs n_e.
+        target: rho* in (0, 1].
+        max_rate: the cap c_max in [0, 1).
+        rule: the quota rule (``proportional`` or ``water_level``).
+
+    Returns:
+        The rate as a float in [0, max_rate] (0 for P = 0). One host sync (the per-expert
+        sorted prefix sums come to the host once; the bisection runs there).
+    """
+    num_pairs = score_P.shape[0]
+    if num_pairs == 0:
+        return 0.0
+    n_E = tokens_per_expert_E.long()
+    expert_P = torch.repeat_interleave(torch.arange(n_E.shape[0], device=n_E.device), n_E,
+                                       output_size=num_pairs)
+    # descending scores within each expert: by score, then (stably) by expert
+    by_score = torch.sort(score_P.double(), descending=True, stable=True)
+    by_expert = torch.sort(expert_P[by_score.indices], stable=True).indices
+    cum_P = by_score.values[by_expert].cumsum(0)
+    cum = torch.cat([cum_P.new_zeros(1), cum_P]).cpu()  # the one sync
+    n_cpu = tokens_per_expert_E.cpu()
+    start_E = (offsets_E.long().cpu() - n_cpu.long())
+    total = float(cum[-1])
+
+    def kept(r: int):
+        rate = min(max_rate, 1.0 - r / num_pairs)
+        q_E = ops.quota(n_cpu, rate, rule).long()
+        mass = float((cum[start_E + q_E] - cum[start_E]).sum())
+        return rate, mass >= target * total
+
+    lo = ops.retained_total(num_pairs, max_rate)
+    rate, ok = kept(lo)
+    if ok:
+        return rate
+    hi = num_pairs  # kept(P) holds: every pair is kept
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if kept(mid)[1]:
+            hi = mid
+        else:
+            lo = mid
+    while hi < num_pairs and not kept(hi)[1]:  # a rounding dip: walk up
+        hi += 1
+    return kept(hi)[0]
 
 
 def select_pairs(cfg: LRMoEConfig, stats: BackwardStats, g_TH: Tensor, weights_TK: Tensor,
@@ -231,14 +294,14 @@ def select_pairs(cfg: LRMoEConfig, stats: BackwardStats, g_TH: Tensor, weights_T
             score_P = ops.score(g_TH, weights_TK.detach(), phi_sq_P, row_pair_P, cfg.metric,
                                 seed)
         with phase("lrmoe.select"):
-            quota_E, share_E, num_retained = quotas()
+            quota_E, share_E, num_retained = quotas(score_P)
             kept_rows_R, kept_pair_R, pair_kept_P, kept_offsets_E, kept_scale_R, mass = (
                 ops.select(score_P, row_pair_P, offsets_E, share_E, num_retained,
                            cfg.selection, seed))
         with phase("lrmoe.compact"):
             scale_R = alpha_P.index_select(0, kept_pair_R) * kept_scale_R
     else:
-        quota_E, _, num_retained = quotas()
+        quota_E, _, num_retained = quotas(None)
         kept_rows_R, kept_pair_R, pair_kept_P, kept_offsets_E = (None, row_pair_P,
                                                                  pair_row_P, offsets_E)
         mass = None
@@ -298,9 +361,15 @@ class ExpertFunction(torch.autograd.Function):
         g_TH = grad_TH.to(x_TH.dtype).contiguous()
         num_pairs = row_pair_P.shape[0]
 
-        def quotas():
+        def quotas(score_P):
             if not cfg.selective_backward:
                 return tokens_per_expert_E, tokens_per_expert_E, num_pairs
+            if cfg.retained_mass_target > 0:  # the adaptive rate: this step's scores decide
+                rate = adaptive_rate(score_P, offsets_E, tokens_per_expert_E,
+                                     cfg.retained_mass_target, cfg.recalibration_rate,
+                                     cfg.quota_rule)
+                quota_E = ops.quota(tokens_per_expert_E, rate, cfg.quota_rule)
+                return quota_E, quota_E, ops.retained_total(num_pairs, rate)
             quota_E = ops.quota(tokens_per_expert_E, cfg.recalibration_rate, cfg.quota_rule)
             return quota_E, quota_E, cfg.retained_pairs(num_pairs)
 

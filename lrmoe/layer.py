@@ -53,6 +53,11 @@ class MoECore:
         self.stats = BackwardStats()
         if ep_group is not None:
             check_config_across_ranks(config, ep_group)
+            if config.retained_mass_target > 0:
+                raise ValueError(f"{where}: retained_mass_target (the adaptive rate) runs on "
+                                 "one device only: under expert parallelism the quotas are "
+                                 "fixed in the forward, before any score exists; use a "
+                                 "fixed recalibration_rate with --ep")
             shard_experts(experts, config.num_experts, ep_group, where)
 
     @contextlib.contextmanager
@@ -70,7 +75,17 @@ class MoECore:
     def run_experts(self, config: LRMoEConfig, x_TH: Tensor, routing: Routing,
                     w_gate_up_E2IH: Tensor, w_down_EHI: Tensor) -> Tensor:
         """The routed experts, (T, H) -> (T, H) in the dtype of ``x_TH``; a collective
-        under EP (the weights are then this rank's shard)."""
+        under EP (the weights are then this rank's shard).
+
+        Raises:
+            ValueError: ``retained_mass_target`` > 0 under EP (the adaptive rate is one
+                device only: EP fixes its quotas in the forward).
+        """
+        if self.ep_group is not None and config.retained_mass_target > 0:
+            raise ValueError("retained_mass_target (the adaptive rate) runs on one device "
+                             "only: under expert parallelism the quotas are fixed in the "
+                             "forward, before any score exists; use a fixed "
+                             "recalibration_rate with --ep")
         if self.ep_group is None:
             return ExpertFunction.apply(x_TH, routing.weights_TK, routing.expert_ids_TK,
                                         w_gate_up_E2IH, w_down_EHI, config, self.stats)

@@ -81,7 +81,7 @@ class ExpertParallelFunction(torch.autograd.Function):
         # quotas and shares come from the plan (the forward's host counts): no sync here
         kept = select_pairs(cfg, stats, g_TH, weights_TK, y_PH, phi_sq_P, row_pair_P,
                             pair_row_P, offsets_E,
-                            lambda: (plan.quota_E, plan.share_E, plan.num_retained))
+                            lambda score_P: (plan.quota_E, plan.share_E, plan.num_retained))
         positions_R = kept.kept_rows_R
         if positions_R is None:  # selection off: every row, in row order
             positions_R = torch.arange(row_pair_P.shape[0], dtype=torch.int32,

@@ -20,7 +20,7 @@ from lrmoe.config import LRMoEConfig
 _HASH_FIELDS = ("hidden_size", "moe_intermediate_size", "num_experts", "top_k", "router",
                 "norm_topk_prob", "routed_scaling_factor", "shared_expert_intermediate_size",
                 "shared_expert_gate", "recalibration_rate", "metric", "quota_rule",
-                "selection", "selective_backward", "seed")
+                "selection", "selective_backward", "seed", "retained_mass_target")
 #: the hash slot of the per-forward counts exchange when a rank failed before it
 FAILED = -1
 

@@ -232,15 +232,28 @@ class LRMoESettings:
         metric: ``lrm``, ``grad_sq``, ``grad_abs`` or ``random``.
         quota_rule: ``proportional`` or ``water_level``.
         selection: ``topk`` or ``importance``.
+        retained_mass_target: 0 (off) or rho* in (0, 1]: the adaptive rate -- each layer
+            and step drops the largest share of pairs, at most ``recalibration_rate``
+            (then the cap), whose retained score mass stays >= rho*
+            (``LRMoEConfig.retained_mass_target``; one device only).
     """
 
     recalibration_rate: float = 0.0
     metric: str = "lrm"
     quota_rule: str = "proportional"
     selection: str = "topk"
+    retained_mass_target: float = 0.0
 
     def validate(self) -> None:
         """Raises ValueError naming ``lrmoe.<field>`` on an invalid value."""
+        t = self.retained_mass_target
+        _number("lrmoe.retained_mass_target", t)
+        if not 0.0 <= t <= 1.0:
+            raise ValueError(f"lrmoe.retained_mass_target must be 0 (off) or in (0, 1], "
+                             f"got {t!r}")
+        if t > 0 and self.recalibration_rate == 0:
+            raise ValueError("lrmoe.retained_mass_target > 0 needs lrmoe.recalibration_rate "
+                             "> 0: the rate is then the most that may be dropped (e.g. -c 0.5)")
         c = self.recalibration_rate
         _number("lrmoe.recalibration_rate", c)
         if not 0.0 <= c < 1.0:
@@ -398,6 +411,10 @@ class TrainConfig:
                 raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_position_"
                                  f"embeddings={m.max_position_embeddings}; raise the latter")
             check_ep_divides(m.num_experts, ep, "model.num_experts")
+        if ep > 1 and self.lrmoe.retained_mass_target > 0:
+            raise ValueError(f"lrmoe.retained_mass_target (the adaptive rate) runs on one "
+                             f"device only, but parallel.ep_size={ep}; use a fixed "
+                             "lrmoe.recalibration_rate with --ep")
 
     @property
     def lrmoe_settings(self) -> Dict[str, Any]:
@@ -405,7 +422,7 @@ class TrainConfig:
         s = self.lrmoe
         return {"recalibration_rate": float(s.recalibration_rate), "metric": s.metric,
                 "quota_rule": s.quota_rule, "selection": s.selection,
-                "seed": self.run.seed}
+                "retained_mass_target": float(s.retained_mass_target), "seed": self.run.seed}
 
     def to_dict(self) -> Dict[str, Any]:
         """A JSON/YAML-able nested dict (one mapping per section, ``betas`` a list)."""

@@ -497,3 +497,73 @@ def test_reentrant_checkpointing_warns_once_that_aux_loss_has_no_gradient():
             (out.sum() + layer.aux_loss).backward()
         got = [w for w in caught if "use_reentrant=False" in str(w.message)]
         assert len(got) == (1 if attempt == 0 else 0), [str(w.message) for w in caught]
+
+
+# --------------------------------------------------------------------------- adaptive rate
+def _top_q_mass(scores, n, q):
+    """Exact sum of the q_e largest scores of each expert (rows grouped by expert)."""
+    from fractions import Fraction
+    out, start = Fraction(0), 0
+    for n_e, q_e in zip(n, q):
+        seg = sorted((Fraction(float(v)) for v in scores[start:start + n_e]), reverse=True)
+        out += sum(seg[:q_e], Fraction(0))
+        start += n_e
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("rule", ["proportional", "water_level"])
+def test_adaptive_rate_against_brute_force(seed, rule):
+    # every R from the cap up, quotas from the independent reference of conftest
+    from fractions import Fraction
+    from conftest import ref_proportional_quota, ref_water_level_quota
+    from lrmoe.experts import adaptive_rate
+    ref = ref_proportional_quota if rule == "proportional" else ref_water_level_quota
+    g = torch.Generator().manual_seed(seed)
+    n = [int(v) for v in torch.randint(0, 12, (5,), generator=g)]
+    p = sum(n)
+    scores = (torch.rand(p, generator=g) ** (1 + seed)).tolist()
+    offsets = torch.tensor(n).cumsum(0).to(torch.int32)
+    total = sum((Fraction(v) for v in scores), Fraction(0))
+    for target in (0.5, 0.9, 0.99, 1.0):
+        for cap in (0.3, 0.7):
+            r_min = int((1 - Fraction(cap).limit_denominator(1 << 20)) * p)
+            want = next(r for r in range(r_min, p + 1)
+                        if _top_q_mass(scores, n, ref(n, Fraction(p - r, p)))
+                        >= Fraction(target) * total)
+            got = adaptive_rate(torch.tensor(scores), offsets,
+                                torch.tensor(n, dtype=torch.int32), target, cap, rule)
+            assert got == pytest.approx(min(cap, 1 - want / p), abs=1e-12), (target, cap)
+    assert adaptive_rate(torch.zeros(0), torch.zeros(3, dtype=torch.int32),
+                         torch.zeros(3, dtype=torch.int32), 0.9, 0.5, rule) == 0.0
+
+
+def test_layer_adaptive_rate_follows_the_target():
+    kw = dict(hidden_size=16, moe_intermediate_size=8, num_experts=6, top_k=2,
+              recalibration_rate=0.6)
+    x = torch.randn(64, 16)
+    dropped = {}
+    for target in (1e-9, 0.9, 0.999, 1.0):
+        torch.manual_seed(0)
+        layer = LRMoELayer(LRMoEConfig(**kw, retained_mass_target=target))
+        layer(x).sum().backward()
+        d = layer.diagnostics()
+        dropped[target] = d["dropped_fraction"]
+        assert sum(d["quota"]) == d["num_retained"]
+        assert d["retained_mass"] >= target - 1e-6  # top-k keeps what the rate promised
+    # the cap binds for a tiny target, nothing with a positive score is dropped at 1
+    assert dropped[1e-9] == pytest.approx(1 - int(0.4 * 128) / 128)
+    assert dropped[1.0] == 0.0
+    assert dropped[1e-9] >= dropped[0.9] >= dropped[0.999] >= dropped[1.0]
+    assert dropped[0.9] > 0
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(recalibration_rate=0.0, retained_mass_target=0.9), "set recalibration_rate"),
+    (dict(recalibration_rate=0.5, retained_mass_target=1.5), "retained_mass_target must be"),
+    (dict(recalibration_rate=0.5, retained_mass_target=float("nan")),
+     "retained_mass_target must be"),
+])
+def test_bad_adaptive_rate_config(kw, match):
+    with pytest.raises(ValueError, match=match):
+        LRMoEConfig(hidden_size=16, moe_intermediate_size=8, num_experts=6, top_k=2, **kw)

@@ -90,3 +90,16 @@ def test_ep_size_must_divide_the_experts():
                                          r"model\.num_experts=8.*\[1, 2, 4, 8\]"):
         T.build_config("tiny", sets=["parallel.ep_size=3"])
     assert T.build_config("tiny", sets=["ep_size=4"]).parallel.ep_size == 4
+
+
+def test_adaptive_rate_settings_reach_the_layers_and_bad_ones_are_named(tmp_path):
+    from lrmoe.train import TrainConfig  # noqa: F401  (the nested config)
+    from test_train import micro
+    cfg = micro(tmp_path, recalibration_rate=0.5, retained_mass_target=0.95)
+    assert cfg.lrmoe_settings["retained_mass_target"] == 0.95
+    with pytest.raises(ValueError, match="lrmoe.retained_mass_target must be"):
+        micro(tmp_path, recalibration_rate=0.5, retained_mass_target=2.0)
+    with pytest.raises(ValueError, match="needs lrmoe.recalibration_rate"):
+        micro(tmp_path, recalibration_rate=0.0, retained_mass_target=0.9)
+    with pytest.raises(ValueError, match="one device only"):
+        micro(tmp_path, recalibration_rate=0.5, retained_mass_target=0.9, ep_size=2)
