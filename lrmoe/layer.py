@@ -28,6 +28,16 @@ from lrmoe.parallel import (ExpertParallelFunction, announce_failure,
 from lrmoe.router import Router, Routing, router_losses
 
 
+def _refuse_adaptive_rate(config: LRMoEConfig, where: str) -> None:
+    """ValueError when ``config`` asks for the adaptive rate under expert parallelism: the
+    EP plan fixes the quotas in the forward, before any score exists."""
+    if config.retained_mass_target > 0:
+        raise ValueError(f"{where}: retained_mass_target (the adaptive rate) runs on one "
+                         "device only: under expert parallelism the quotas are fixed in the "
+                         "forward, before any score exists; use a fixed recalibration_rate "
+                         "with --ep")
+
+
 class MoECore:
     """The part every LRMoE layer shares (held by composition, not an ``nn.Module``).
 
@@ -53,11 +63,7 @@ class MoECore:
         self.stats = BackwardStats()
         if ep_group is not None:
             check_config_across_ranks(config, ep_group)
-            if config.retained_mass_target > 0:
-                raise ValueError(f"{where}: retained_mass_target (the adaptive rate) runs on "
-                                 "one device only: under expert parallelism the quotas are "
-                                 "fixed in the forward, before any score exists; use a "
-                                 "fixed recalibration_rate with --ep")
+            _refuse_adaptive_rate(config, where)
             shard_experts(experts, config.num_experts, ep_group, where)
 
     @contextlib.contextmanager
@@ -81,11 +87,8 @@ class MoECore:
             ValueError: ``retained_mass_target`` > 0 under EP (the adaptive rate is one
                 device only: EP fixes its quotas in the forward).
         """
-        if self.ep_group is not None and config.retained_mass_target > 0:
-            raise ValueError("retained_mass_target (the adaptive rate) runs on one device "
-                             "only: under expert parallelism the quotas are fixed in the "
-                             "forward, before any score exists; use a fixed "
-                             "recalibration_rate with --ep")
+        if self.ep_group is not None:  # set_recalibration may have turned it on since
+            _refuse_adaptive_rate(config, "LRMoE layer")
         if self.ep_group is None:
             return ExpertFunction.apply(x_TH, routing.weights_TK, routing.expert_ids_TK,
                                         w_gate_up_E2IH, w_down_EHI, config, self.stats)

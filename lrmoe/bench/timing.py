@@ -23,13 +23,13 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 import warnings
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from lrmoe.bench.routing import Case, Inputs
+from lrmoe.clock import DeviceClock
 
 PHASES_FWD = ("router", "permute", "expert_gemm_fwd", "combine")
 PHASES_BWD = ("router_grad", "score", "select", "compact", "expert_gemm_bwd", "scatter")
@@ -93,25 +93,8 @@ def profiled(device: torch.device) -> Iterator[torch.profiler.profile]:
         yield prof
 
 
-class Timer:
-    """Device events on CUDA (ms between two events after the second completes), the
-    host clock elsewhere."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def event(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def ms(self, a, b) -> float:
-        if self.cuda:
-            b.synchronize()
-            return a.elapsed_time(b)
-        return (b - a) * 1e3
+#: the benchmark's clock (device events on CUDA, the host clock elsewhere)
+Timer = DeviceClock
 
 
 def measure_ceilings(device: torch.device) -> dict:

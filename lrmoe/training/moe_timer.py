@@ -16,28 +16,12 @@ never fires); with activation checkpointing the recomputed forward counts as for
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-
-class _Clock:
-    """A time stamp: a recorded CUDA event, or a perf_counter value (seconds)."""
-
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
-
-    def now(self):
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
-    def ms(self, a, b) -> float:
-        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+from lrmoe.clock import DeviceClock
 
 
 class MoELayerTimer:
@@ -64,7 +48,7 @@ class MoELayerTimer:
         layers = [m for _, m in moe_layers(model)]
         if not layers:
             raise ValueError("run.time_moe needs a model with MoE layers; this one has none")
-        self.clock = _Clock(device.type == "cuda")
+        self.clock = DeviceClock(device)
         self._armed = False
         self._open: dict = {}
         self._spans: List[Tuple[str, object, object]] = []
@@ -80,12 +64,12 @@ class MoELayerTimer:
 
     def _start(self, module: nn.Module, kind: str) -> None:
         if self._armed:
-            self._open[(id(module), kind)] = self.clock.now()
+            self._open[(id(module), kind)] = self.clock.event()
 
     def _stop(self, module: nn.Module, kind: str) -> None:
         start = self._open.pop((id(module), kind), None)
         if start is not None:
-            self._spans.append((kind, start, self.clock.now()))
+            self._spans.append((kind, start, self.clock.event()))
 
     @contextlib.contextmanager
     def armed(self) -> Iterator[None]:

@@ -594,3 +594,17 @@ def test_ctrl_c_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
                    str(int(steps0[0].split("-")[1]) + 2), "--out", str(tmp_path / "more")],
                   tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def _adaptive_rate_refused(rank, world):
+    group = dist.group.WORLD
+    with pytest.raises(ValueError, match="adaptive rate"):
+        LRMoELayer(_cfg(recalibration_rate=0.5, retained_mass_target=0.9), ep_group=group)
+    layer = LRMoELayer(_cfg(recalibration_rate=0.5), ep_group=group)
+    layer.set_recalibration(retained_mass_target=0.9)  # turned on after construction
+    with pytest.raises(ValueError, match="adaptive rate"):
+        layer(torch.randn(4, 8))
+
+
+def test_adaptive_rate_is_refused_under_ep():
+    _spawn(_adaptive_rate_refused, "gloo", 2)
