@@ -2,8 +2,8 @@
 
 A grid is a list of :class:`Cell` s, each one ``lrmoe train`` run with its own flags in its
 own run directory ``<root>/<cell.name>/``. :func:`run_grid` runs the cells one after the
-other, in a subprocess each (``python -m lrmoe train ...``), and is safe to interrupt and
-re-run:
+other (or ``jobs`` at a time), in a subprocess each (``python -m lrmoe train ...``), and is
+safe to interrupt and re-run:
 
 * a cell whose ``summary.json`` says it reached its steps is skipped (its numbers are
   kept, never recomputed);
@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
@@ -100,30 +101,38 @@ def cell_state(run_dir: Path, steps: int) -> str:
     return "fresh"
 
 
-def _run(cmd: List[str], log_path: Path) -> int:
-    """Run ``cmd``, its output appended to ``log_path`` and echoed; SIGINT is passed on to
-    the child (which saves a checkpoint) and then raised here."""
+def _run(cmd: List[str], log_path: Path, prefix: str = "",
+         procs: Optional[Dict[int, subprocess.Popen]] = None) -> int:
+    """Run ``cmd``, its output appended to ``log_path`` and echoed (each line after
+    ``prefix`` when several cells run at once); SIGINT is passed on to the child (which
+    saves a checkpoint) and then raised here. ``procs`` registers the child while it runs,
+    so that the runner can pass a Ctrl-C on to every cell of a parallel grid."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a") as log:
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, bufsize=1)
+        if procs is not None:
+            procs[proc.pid] = proc
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
                 log.write(line)
-                sys.stdout.write(line)
+                sys.stdout.write(prefix + line)
             return proc.wait()
         except KeyboardInterrupt:
             proc.send_signal(signal.SIGINT)
             proc.wait()
             raise
+        finally:
+            if procs is not None:
+                procs.pop(proc.pid, None)
 
 
 def run_grid(cells: Sequence[Cell], root: str | os.PathLike, base_args: Sequence[str],
              steps: int, *, python: str = sys.executable,
-             prune_checkpoints: bool = False) -> Dict[str, str]:
+             prune_checkpoints: bool = False, jobs: int = 1) -> Dict[str, str]:
     """Run every cell of the grid that has not finished (see the module docstring).
 
     Args:
@@ -136,12 +145,19 @@ def run_grid(cells: Sequence[Cell], root: str | os.PathLike, base_args: Sequence
         prune_checkpoints: delete a cell's ``checkpoints/`` once it has finished (its
             metrics and summary stay; for grids of models too large to keep every
             checkpoint on disk). A pruned cell can no longer be extended to more steps.
+        jobs: cells run at the same time (each its own process on the same device).
+            Small models leave a GPU mostly idle between kernel launches, so several cells
+            at once finish a grid sooner; their losses are unaffected (each run is
+            deterministic in its own seed), but their times are of a shared device: the
+            runner records ``jobs`` per cell (``root/logs/<cell>.json``, ``collect``
+            copies it into the record) and timing claims must come from ``jobs = 1`` cells
+            (experiments/time_to_loss.py refuses the others).
 
     Returns:
         ``{cell name: "done" | "skipped" | "failed (exit N)"}``.
 
     Raises:
-        ValueError: duplicate cell names or ``steps < 1``.
+        ValueError: duplicate cell names, ``steps < 1`` or ``jobs < 1``.
         KeyboardInterrupt: Ctrl-C (the running cell has saved a checkpoint).
     """
     names = [c.name for c in cells]
@@ -150,15 +166,22 @@ def run_grid(cells: Sequence[Cell], root: str | os.PathLike, base_args: Sequence
         raise ValueError(f"cells must have unique names; repeated: {dup}")
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     status: Dict[str, str] = {}
+    todo = []
     for i, cell in enumerate(cells):
-        run_dir = root / cell.name
-        state = cell_state(run_dir, steps)
+        state = cell_state(root / cell.name, steps)
         if state == "done":
             status[cell.name] = "skipped"
-            continue
+        else:
+            todo.append((i, cell, state))
+    procs: Dict[int, subprocess.Popen] = {}
+
+    def one(i: int, cell: Cell, state: str) -> None:
+        run_dir = root / cell.name
         cmd = [python, "-m", "lrmoe", "train", *base_args, *cell.args,
                "--steps", str(steps), "--out", str(run_dir)]
         if state == "resume":
@@ -166,13 +189,49 @@ def run_grid(cells: Sequence[Cell], root: str | os.PathLike, base_args: Sequence
         elif run_dir.exists():
             cmd += ["--overwrite"]
         print(f"[grid] cell {i + 1}/{len(cells)} {cell.name}: {state}", flush=True)
+        (root / LOG_DIR).mkdir(parents=True, exist_ok=True)
+        (root / LOG_DIR / f"{cell.name}.json").write_text(json.dumps({"jobs": jobs}))
         t0 = time.time()
-        rc = _run(cmd, root / LOG_DIR / f"{cell.name}.log")
+        rc = _run(cmd, root / LOG_DIR / f"{cell.name}.log",
+                  prefix=f"[{cell.name}] " if jobs > 1 else "", procs=procs)
         status[cell.name] = "done" if rc == 0 else f"failed (exit {rc})"
         if rc == 0 and prune_checkpoints:
             shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
         print(f"[grid] cell {cell.name}: {status[cell.name]} in {time.time() - t0:.0f} s",
               flush=True)
+
+    if jobs == 1:
+        for item in todo:
+            one(*item)
+        return status
+    # Worker threads only wait on their child processes; Ctrl-C reaches the main thread,
+    # which passes it on to every running cell (each saves a checkpoint) and stops.
+    pending = list(reversed(todo))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not pending or stop.is_set():
+                    return
+                item = pending.pop()
+            one(*item)
+
+    stop = threading.Event()
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(jobs, len(todo)))]
+    for t in threads:
+        t.start()
+    try:
+        while any(t.is_alive() for t in threads):
+            for t in threads:
+                t.join(timeout=0.2)
+    except KeyboardInterrupt:
+        stop.set()
+        for proc in list(procs.values()):
+            proc.send_signal(signal.SIGINT)
+        for t in threads:
+            t.join()
+        raise
     return status
 
 
@@ -182,7 +241,8 @@ def collect(cells: Sequence[Cell], root: str | os.PathLike) -> List[dict]:
     Writes ``root/results.json`` (a list of the records) atomically and returns it. Cells
     without a summary (not run, failed) have ``summary: None``.
 
-    Record keys: ``name``, ``labels``, ``summary`` (``summary.json``), ``evals`` (list of
+    Record keys: ``name``, ``labels``, ``summary`` (``summary.json``), ``jobs`` (cells
+    that ran at the same time as it, its last run; 1 when unknown), ``evals`` (list of
     ``{step, val_loss, val_ppl}``), ``train`` (list of ``{step, loss, time_s,
     tokens_per_s, moe_time_ms?, dropped_fraction, retained_mass}``).
     """
@@ -197,6 +257,7 @@ def collect(cells: Sequence[Cell], root: str | os.PathLike) -> List[dict]:
             "name": cell.name,
             "labels": dict(cell.labels),
             "summary": _read_json(run_dir / "summary.json"),
+            "jobs": (_read_json(root / LOG_DIR / f"{cell.name}.json") or {}).get("jobs", 1),
             "evals": [{k: r[k] for k in ("step", "val_loss", "val_ppl")}
                       for r in records if r.get("kind") == "eval"],
             "train": [{k: r[k] for k in keep if k in r}

@@ -40,6 +40,10 @@ def parser(recipe: str, description: str) -> argparse.ArgumentParser:
                    help="do not run anything: analyse the runs already in --out")
     p.add_argument("--prune-checkpoints", action="store_true",
                    help="delete each finished cell's checkpoints (large models)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="cells run at the same time on the device (a small model leaves a "
+                        "GPU idle between launches; losses are unaffected, times are not: "
+                        "time-to-loss needs --jobs 1)")
     p.add_argument("--dry-run", action="store_true", help="print the cells and exit")
     return p
 
@@ -62,12 +66,15 @@ def main(recipe: str, args: argparse.Namespace, cells: Sequence[_grid.Cell],
     status (1 when a cell failed, 0 otherwise).
 
     Raises:
-        ValueError: ``--steps`` < 1, no seeds, or ``--last-evals`` < 1 (named).
+        ValueError: ``--steps`` < 1, no seeds, ``--last-evals`` < 1 or ``--jobs`` < 1
+            (named).
     """
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if not args.seeds:
         raise ValueError("--seeds needs at least one seed")
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     if args.last_evals < 1:
         raise ValueError(f"--last-evals must be >= 1, got {args.last_evals}")
     out = Path(args.out or f"runs/experiments/{recipe}-{args.preset}")
@@ -78,7 +85,8 @@ def main(recipe: str, args: argparse.Namespace, cells: Sequence[_grid.Cell],
     status = {}
     if not args.analyse_only:
         status = _grid.run_grid(cells, out, base_args(args), args.steps,
-                                 prune_checkpoints=args.prune_checkpoints)
+                                 prune_checkpoints=args.prune_checkpoints,
+                                 jobs=args.jobs)
     records = _grid.collect(cells, out)
     command = "python " + " ".join(shlex.quote(a) for a in
                                    [f"experiments/{recipe}.py", *(argv or sys.argv[1:])])

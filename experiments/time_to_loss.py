@@ -7,7 +7,9 @@ losses (the paper's Table 1), c = 0 against the rates of ``--rates``.
 The MoE-layer time is the ``moe_time_ms`` a run logs per step (the forward and backward
 of the MoE layers only, timed with device events; ``experiments/analysis.py``); on a run
 that did not log it the column is blank. Report: one row per (rate, target), mean and
-spread over seeds, and ``time_to_loss.png``.
+spread over seeds, and ``time_to_loss.png``. Times come only from cells that ran alone on
+the device (``--jobs 1``, the default; this recipe refuses more): a cell of a parallel
+grid keeps its steps, its time columns are blank.
 """
 from __future__ import annotations
 
@@ -32,11 +34,19 @@ def cells(args):
                  {"rate": c, "seed": s}) for c in rates for s in args.seeds]
 
 
+def _times_only_if_alone(hit, record):
+    if hit is not None and record.get("jobs", 1) > 1:
+        return {**hit, "wall_s": math.nan, "moe_s": math.nan}
+    return hit
+
+
 def analyse(records, out, args) -> str:
     rows = []
     for target in args.targets:
         for (rate,), runs in analysis.group(records, ["rate"]).items():
-            hits = [analysis.time_to_loss(r, target) for r in runs]
+            # a cell that shared the device with others (grid --jobs > 1) has its steps,
+            # not its times: those are of a shared GPU
+            hits = [_times_only_if_alone(analysis.time_to_loss(r, target), r) for r in runs]
             reached = [h for h in hits if h is not None]
             row = {"target": target, "rate": rate, "reached": f"{len(reached)}/{len(runs)}"}
             for k in ("step", "wall_s", "moe_s"):
@@ -68,4 +78,6 @@ if __name__ == "__main__":
     p.add_argument("--metric", default="lrm")
     p.add_argument("--selection", default="topk")
     a = p.parse_args()
+    if a.jobs != 1:
+        p.error("--jobs must be 1 here: times measured on a shared device are not times to loss")
     sys.exit(recipe.main(RECIPE, a, cells(a), analyse))

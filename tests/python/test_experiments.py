@@ -25,13 +25,16 @@ import grid  # noqa: E402
 # after its first checkpoint; otherwise writes metrics, a checkpoint and a summary.
 FAKE = textwrap.dedent("""\
     #!{python}
-    import json, os, sys
+    import json, os, sys, time
     argv = sys.argv[1:]
+    t0 = time.time()
+    time.sleep(float(os.environ.get("SLEEP", "0")))
     out = argv[argv.index("--out") + 1]
     steps = int(argv[argv.index("--steps") + 1])
     name = os.path.basename(out)
     with open(os.path.join(os.path.dirname(out), "calls.jsonl"), "a") as f:
-        f.write(json.dumps({{"name": name, "argv": argv}}) + "\\n")
+        f.write(json.dumps({{"name": name, "argv": argv, "t0": t0,
+                             "t1": time.time()}}) + "\\n")
     os.makedirs(os.path.join(out, "checkpoints", "step-00000001"), exist_ok=True)
     with open(os.path.join(out, "metrics.jsonl"), "w") as f:
         for s in range(1, steps + 1):
@@ -107,6 +110,29 @@ def test_grid_runs_skips_resumes_and_records_failures(tmp_path, fake_python, mon
     assert len(records[0]["train"]) == 6 and records[0]["evals"][0]["val_ppl"] == 2.718
 
 
+def test_grid_runs_cells_at_the_same_time_with_jobs(tmp_path, fake_python, monkeypatch):
+    root = tmp_path / "grid"
+    cells = [grid.Cell(n, [], {"seed": i}) for i, n in enumerate("abcd")]
+    monkeypatch.setenv("SLEEP", "1.0")
+    monkeypatch.setenv("FAIL", "c")
+    status = grid.run_grid(cells, root, [], 2, python=fake_python, jobs=4)
+    assert status == {"a": "done", "b": "done", "c": "failed (exit 3)", "d": "done"}
+    calls = _calls(root)
+    assert sorted(c["name"] for c in calls) == ["a", "b", "c", "d"]
+    # all four were running at one moment: the last start precedes the first end
+    assert max(c["t0"] for c in calls) < min(c["t1"] for c in calls)
+    records = grid.collect(cells, root)
+    assert [r["jobs"] for r in records] == [4, 4, 4, 4]
+    # the re-run resumes only the failed cell, now alone, and records that
+    monkeypatch.delenv("FAIL")
+    monkeypatch.setenv("SLEEP", "0")
+    status = grid.run_grid(cells, root, [], 2, python=fake_python, jobs=1)
+    assert status == {"a": "skipped", "b": "skipped", "c": "done", "d": "skipped"}
+    assert [r["jobs"] for r in grid.collect(cells, root)] == [4, 4, 1, 4]
+    with pytest.raises(ValueError, match="jobs"):
+        grid.run_grid(cells, root, [], 2, python=fake_python, jobs=0)
+
+
 def test_grid_refuses_bad_cells(tmp_path):
     with pytest.raises(ValueError, match="Cell.name"):
         grid.Cell("a/b", [], {})
@@ -157,3 +183,14 @@ def test_time_to_loss_by_hand():
     assert analysis.time_to_loss(rec, 1.0) is None
     rec["train"] = [{"step": s, "time_s": 1.0} for s in range(1, 41)]
     assert math.isnan(analysis.time_to_loss(rec, 2.5)["moe_s"])
+
+
+def test_time_to_loss_keeps_only_steps_of_cells_that_shared_the_device():
+    import time_to_loss
+    train = [{"step": s, "time_s": 0.5, "moe_time_ms": 200.0} for s in range(1, 41)]
+    rec = _rec(0, [9.0, 8.0], losses=[3.0, 2.0], train=train)
+    alone = time_to_loss._times_only_if_alone(analysis.time_to_loss(rec, 2.5), rec)
+    assert alone == {"step": 20, "wall_s": pytest.approx(10.0), "moe_s": pytest.approx(4.0)}
+    shared = time_to_loss._times_only_if_alone(analysis.time_to_loss(rec, 2.5),
+                                               {**rec, "jobs": 3})
+    assert shared["step"] == 20 and math.isnan(shared["wall_s"]) and math.isnan(shared["moe_s"])
