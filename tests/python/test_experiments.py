@@ -194,3 +194,32 @@ def test_time_to_loss_keeps_only_steps_of_cells_that_shared_the_device():
     shared = time_to_loss._times_only_if_alone(analysis.time_to_loss(rec, 2.5),
                                                {**rec, "jobs": 3})
     assert shared["step"] == 20 and math.isnan(shared["wall_s"]) and math.isnan(shared["moe_s"])
+
+
+def test_full_grid_holds_every_recipe_cell_once_most_important_first():
+    import argparse
+    import full_grid
+    import rate_sweep
+    args = argparse.Namespace(preset="tiny", steps=3, seeds=[0, 1], device="cpu",
+                              eval_every=None, last_evals=3, sets=[], out=None,
+                              analyse_only=False, prune_checkpoints=False, jobs=1,
+                              dry_run=True)
+    spaces = full_grid.namespaces(args)
+    cells = full_grid.cells(spaces)
+    names = [c.name for c in cells]
+    assert len(names) == len(set(names))
+    # by hand, per seed: 6 rates (lrm topk) + 3 other metrics at 0.3 + selection
+    # 2 x 2 x 2 minus the lrm topk proportional pair (in the rate sweep) + 2 adaptive
+    assert len(cells) == 2 * (6 + 3 + 6 + 2)
+    assert names[:2] == ["c0-s0", "c0-s1"] and names[-1] == "lrm-importance-water_level-c0.5-s1"
+    assert {c.name for c in rate_sweep.cells(spaces["rate_sweep"])} <= set(names)
+    rho = next(c for c in cells if c.name == "lrm-importance-rho0.99-cap0.5-s1")
+    assert list(rho.args) == ["-c", "0.5", "--retained-mass-target", "0.99", "--metric",
+                              "lrm", "--selection", "importance", "--set", "seed=1"]
+
+
+def test_adaptive_rate_mean_dropped_by_hand():
+    import adaptive_rate
+    rec = {"train": [{"dropped_fraction": 0.1}, {"dropped_fraction": 0.3}, {"loss": 1.0}]}
+    assert adaptive_rate.mean_dropped(rec) == pytest.approx(0.2)
+    assert math.isnan(adaptive_rate.mean_dropped({"train": []}))
