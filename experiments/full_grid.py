@@ -76,7 +76,8 @@ def analyse_all(spaces):
         parts = []
         for mod, key in ((rate_sweep, "rate_sweep"), (metric_ablation, "metric_ablation"),
                          (selection, "selection"), (adaptive_rate, "adaptive_rate")):
-            mine = [by_name[c.name] | {"labels": dict(c.labels)} for c in mod.cells(spaces[key])]
+            mine = [by_name[c.name] | {"labels": dict(c.labels)}
+                    for c in mod.cells(spaces[key]) if c.name in by_name]
             parts.append(mod.analyse(mine, out, spaces[key]))
         return "\n\n".join(parts)
     return analyse

@@ -235,6 +235,14 @@ def run_grid(cells: Sequence[Cell], root: str | os.PathLike, base_args: Sequence
     return status
 
 
+def finished(record: Mapping[str, Any], steps: int) -> bool:
+    """Whether a :func:`collect` record is of a run that reached ``steps`` and was not
+    interrupted (the same test as :func:`cell_state`'s ``done``)."""
+    summary = record.get("summary")
+    return bool(summary) and summary.get("steps", 0) >= steps \
+        and not summary.get("interrupted")
+
+
 def collect(cells: Sequence[Cell], root: str | os.PathLike) -> List[dict]:
     """One record per cell: its labels, its summary, its eval curve and train records.
 

@@ -43,7 +43,8 @@ def parser(recipe: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=1,
                    help="cells run at the same time on the device (a small model leaves a "
                         "GPU idle between launches; losses are unaffected, times are not: "
-                        "time-to-loss needs --jobs 1)")
+                        "time-to-loss needs --jobs 1; jobs x one run's peak memory must fit "
+                        "on the device: gpu-small peaks near 21 GiB, so 6 on an H200)")
     p.add_argument("--dry-run", action="store_true", help="print the cells and exit")
     return p
 
@@ -90,7 +91,14 @@ def main(recipe: str, args: argparse.Namespace, cells: Sequence[_grid.Cell],
     records = _grid.collect(cells, out)
     command = "python " + " ".join(shlex.quote(a) for a in
                                    [f"experiments/{recipe}.py", *(argv or sys.argv[1:])])
-    body = analyse(records, out, args)
+    # only cells that reached their steps enter the tables: a failed or cut-short run's
+    # last evaluations are not its final perplexity
+    done = [r for r in records if _grid.finished(r, args.steps)]
+    missing = sorted(r["name"] for r in records if not _grid.finished(r, args.steps))
+    body = analyse(done, out, args)
+    if missing:
+        body += (f"\n\nNot finished (left out of the tables above; re-run the command to "
+                 f"run them): {', '.join(missing)}")
     (out / "report.md").write_text(f"Command: `{command}`\n\n{body}\n")
     print(body)
     failed = {k: v for k, v in status.items() if v.startswith("failed")}

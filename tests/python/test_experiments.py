@@ -223,3 +223,25 @@ def test_adaptive_rate_mean_dropped_by_hand():
     rec = {"train": [{"dropped_fraction": 0.1}, {"dropped_fraction": 0.3}, {"loss": 1.0}]}
     assert adaptive_rate.mean_dropped(rec) == pytest.approx(0.2)
     assert math.isnan(adaptive_rate.mean_dropped({"train": []}))
+
+
+def test_recipe_tables_leave_out_cells_that_did_not_finish(tmp_path, monkeypatch):
+    import argparse
+    import recipe
+    root = tmp_path / "g"
+    for name, summary, ppl in (("a", {"steps": 4}, 10.0), ("b", None, 99.0),
+                               ("c", {"steps": 4, "interrupted": True}, 98.0),
+                               ("d", {"steps": 2}, 97.0)):
+        (root / name).mkdir(parents=True)
+        (root / name / "metrics.jsonl").write_text(json.dumps(
+            {"kind": "eval", "step": 2, "val_loss": 1.0, "val_ppl": ppl}) + "\n")
+        if summary:
+            (root / name / "summary.json").write_text(json.dumps(summary))
+    cells = [grid.Cell(n, [], {"seed": 0}) for n in "abcd"]
+    seen = []
+    args = argparse.Namespace(steps=4, seeds=[0], last_evals=1, jobs=1, out=str(root),
+                              dry_run=False, analyse_only=True)
+    rc = recipe.main("t", args, cells, lambda recs, out, a: seen.extend(recs) or "body",
+                     argv=["--analyse-only"])
+    assert rc == 0 and [r["name"] for r in seen] == ["a"]
+    assert (root / "report.md").read_text().endswith("run them): b, c, d\n")
