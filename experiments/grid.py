@@ -61,9 +61,10 @@ class Cell:
 
 
 def default_cell_name(rate: float, seed: int) -> str:
-    """The name of the cell with the default LRMoE settings (metric ``lrm``, selection
-    ``topk``, quota rule ``proportional``) at ``rate`` and ``seed``: every recipe names
-    that cell alike, so recipes run into one ``--out`` run it once."""
+    """The name of the cell with the paper's LRMoE settings (metric ``lrm``, selection
+    ``topk``, quota rule ``proportional``, each passed explicitly) at ``rate`` and
+    ``seed``: every recipe names that cell alike, so recipes run into one ``--out`` run it
+    once."""
     return f"c{rate:g}-s{seed}"
 
 

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The main job: train a small Qwen3-MoE model with LRMoE layers on real text -- the `tiny`
 # preset (a few minutes on 2 CPU cores) on GCIDE dictionary definitions, recalibration
-# rate c = 0.2 with the LRM metric. Sets up what it needs first:
+# rate c = 0.3 with the LRM metric and importance selection (the defaults README
+# "Defaults, and why" gives the evidence for). Sets up what it needs first:
 #   1. GCIDE (Debian package dict-gcide) when /usr/share/dictd/gcide.index is missing and
 #      no --data is given (apt-get, as root);
 #   2. the environment (scripts/bootstrap.sh: .venv, pinned packages, lrmoe._C, the
 #      `lrmoe` console script);
-# then runs `lrmoe train --preset tiny --recalibration-rate 0.2 --metric lrm "$@"` (into
+# then runs `lrmoe train --preset tiny --recalibration-rate 0.3 --metric lrm "$@"` (into
 # runs/tiny; an earlier run there is replaced unless --resume is given).
 #
 # Usage: bash scripts/train.sh [lrmoe train options]   e.g. --steps 200, --resume,
@@ -46,7 +47,7 @@ LRMOE="${LRMOE_VENV:-$ROOT/.venv}/bin/lrmoe"
 
 extra=()
 has_arg --resume "$@" || extra+=(--overwrite)
-cmd=(train --preset tiny --recalibration-rate 0.2 --metric lrm "${extra[@]}" "$@")
+cmd=(train --preset tiny --recalibration-rate 0.3 --metric lrm "${extra[@]}" "$@")
 log "setup took $(( $(now) - T0 )) s; starting: lrmoe ${cmd[*]}"
 rc=0
 "$LRMOE" "${cmd[@]}" || rc=$?

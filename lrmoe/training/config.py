@@ -231,7 +231,8 @@ class LRMoESettings:
             rounds to 1 is refused.
         metric: ``lrm``, ``grad_sq``, ``grad_abs`` or ``random``.
         quota_rule: ``proportional`` or ``water_level``.
-        selection: ``topk`` or ``importance``.
+        selection: ``importance`` (default; unbiased) or ``topk`` (the paper's); see
+            :class:`lrmoe.config.LRMoEConfig`.
         retained_mass_target: 0 (off) or rho* in (0, 1]: the adaptive rate -- each layer
             and step drops the largest share of pairs, at most ``recalibration_rate``
             (then the cap), whose retained score mass stays >= rho*
@@ -241,7 +242,7 @@ class LRMoESettings:
     recalibration_rate: float = 0.0
     metric: str = "lrm"
     quota_rule: str = "proportional"
-    selection: str = "topk"
+    selection: str = "importance"
     retained_mass_target: float = 0.0
 
     def validate(self) -> None:

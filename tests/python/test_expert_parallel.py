@@ -72,7 +72,7 @@ def _backends(gloo_worlds, nccl_worlds=(1, 2, 4, 8)):
 
 def _cfg(**kw):
     base = dict(hidden_size=8, moe_intermediate_size=6, num_experts=4, top_k=2,
-                router_aux_loss_coef=0.0)
+                router_aux_loss_coef=0.0, selection="topk")  # references pick the best pairs
     base.update(kw)
     return LRMoEConfig(**base)
 
