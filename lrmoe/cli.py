@@ -1,6 +1,6 @@
-"""The ``lrmoe`` command line: ``lrmoe train ...``, ``lrmoe plan ...``, ``lrmoe data wordnet-alpaca ...``, and ``lrmoe bench
-layer ...`` where :mod:`lrmoe.bench` is installed (more subcommands go into
-:func:`build_parser`).
+"""The ``lrmoe`` command line: ``lrmoe train ...``, ``lrmoe plan ...``, ``lrmoe data
+wordnet-alpaca ...``, and ``lrmoe bench layer ...`` where :mod:`lrmoe.bench` is installed
+(more subcommands go into :func:`build_parser`).
 
 Exit status: 0 on success, 2 on a usage or config error (the message names the setting),
 130 when a training run was stopped by Ctrl-C (after saving a checkpoint).
