@@ -1,6 +1,6 @@
-"""The ``lrmoe`` command line: ``lrmoe train ...``, ``lrmoe plan ...``, and ``lrmoe bench
-layer ...`` where :mod:`lrmoe.bench` is installed (more subcommands go into
-:func:`build_parser`).
+"""The ``lrmoe`` command line: ``lrmoe train ...``, ``lrmoe plan ...``, ``lrmoe data
+wordnet-alpaca ...``, and ``lrmoe bench layer ...`` where :mod:`lrmoe.bench` is installed
+(more subcommands go into :func:`build_parser`).
 
 Exit status: 0 on success, 2 on a usage or config error (the message names the setting),
 130 when a training run was stopped by Ctrl-C (after saving a checkpoint).
@@ -117,6 +117,37 @@ def _add_plan_parser(sub: Any) -> None:
     p.set_defaults(func=run_plan)
 
 
+def _add_data_parser(sub: Any) -> None:
+    """``lrmoe data wordnet-alpaca ...``: build instruction data (lrmoe/data/wordnet.py)."""
+    p = sub.add_parser("data", help="build training data files")
+    kinds = p.add_subparsers(dest="data_command", metavar="KIND")
+    kinds.required = True
+    w = kinds.add_parser(
+        "wordnet-alpaca", help="Alpaca-format JSONL from WordNet 3.0 (apt-get install "
+                               "wordnet-base)",
+        description=(
+            "Write Alpaca-format instruction records (definition, synonyms, example sentence, "
+            "hypernym of every WordNet lemma) as JSONL for --data alpaca:PATH, and the "
+            "WordNet licence beside it (PATH.LICENSE.txt). Reproducible: the same database "
+            "gives the same file (lrmoe/data/wordnet.py)."),
+        formatter_class=_HelpFormatter)
+    w.add_argument("--out", required=True, metavar="PATH", help="JSONL file to write")
+    w.add_argument("--wordnet-dir", default="/usr/share/wordnet", metavar="DIR",
+                   help="folder holding index.noun, data.noun, ... (Debian wordnet-base)")
+    w.add_argument("--max-senses", type=int, default=3, metavar="N",
+                   help="senses listed in a definition record")
+
+    def _cmd(args: argparse.Namespace) -> int:
+        from lrmoe.data.wordnet import build
+        counts = build(args.out, args.wordnet_dir, args.max_senses)
+        print(f"wrote {counts.pop('total')} records to {args.out} ("
+              + ", ".join(f"{n} {t}" for t, n in counts.items()) + f"); licence: "
+              f"{args.out}.LICENSE.txt")
+        return 0
+
+    w.set_defaults(func=_cmd)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``lrmoe`` argument parser with its subcommands (``train``; ``bench layer``
     where :mod:`lrmoe.bench` exists)."""
@@ -127,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_parser(sub)
     _add_bench_parser(sub)
     _add_plan_parser(sub)
+    _add_data_parser(sub)
     return parser
 
 

@@ -85,8 +85,9 @@ class ModelConfig:
             (>= ``data.seq_len``).
         init_from: directory of a transformers checkpoint (``config.json`` +
             ``*.safetensors``) to fine-tune; its architecture then replaces the fields
-            above and its ``tokenizer.json``, when present, is used unless
-            ``data.tokenizer`` is set. None: random initialisation.
+            above and its ``tokenizer.json`` is used unless ``data.tokenizer`` is set
+            (one of the two must exist: a newly trained tokenizer would not match the
+            embeddings). None: random initialisation.
     """
 
     hidden_size: int = 128

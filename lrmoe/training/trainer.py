@@ -164,6 +164,13 @@ class Trainer:
                                  f"num_experts of {src}/config.json")
             if tokenizer is None and (src / "tokenizer.json").is_file():
                 tokenizer = str(src / "tokenizer.json")
+            if tokenizer is None:
+                # a BPE trained now would number its tokens unlike the embeddings of src
+                raise FileNotFoundError(
+                    f"model.init_from {src} has no tokenizer.json and data.tokenizer is "
+                    "unset: a tokenizer trained on the new data would give token ids that do "
+                    "not match the model's embeddings; pass the tokenizer the model was "
+                    "trained with (--tokenizer PATH/tokenizer.json)")
         if tokenizer is not None and not Path(tokenizer).is_file():
             raise FileNotFoundError(f"data.tokenizer {tokenizer}: no such file (a tokenizers "
                                     "tokenizer.json)")

@@ -1,0 +1,228 @@
+"""The SFT setting: pre-train one model on real text, then fine-tune it on Alpaca-format
+instruction data under each planned backward (the paper's fine-tuning protocol: every
+fine-tune starts from one base).
+
+    lrmoe data wordnet-alpaca --out data/wordnet_alpaca.jsonl     # apt-get install wordnet-base
+    python experiments/sft.py --preset gpu-small --device cuda --pretrain-steps 300 \\
+        --sft-data data/wordnet_alpaca.jsonl --sft-steps 300 --eval-every 25 --seeds 0 1 2
+
+Stage 1, the base (one cell, ``base-c0-s<base seed>``): ``--pretrain-data`` (default
+``gcide``) for ``--pretrain-steps`` at c = 0, seed ``--base-seed``. Its checkpoints are
+kept (``--prune-checkpoints`` prunes only the fine-tunes): the fine-tunes start from its
+last one.
+
+Stage 2, the fine-tunes: ``--init-from`` the base's last checkpoint (its weights and its
+``tokenizer.json``, so the token ids are the ones the embeddings were trained on) on
+``alpaca:--sft-data`` for ``--sft-steps`` at ``--sft-lr`` (warm-up ``--sft-warmup``, cosine
+to ``--sft-min-lr``); c = 0 per seed, and (setting, c) for setting in ``--settings``
+(``METRIC:SELECTION``, default ``lrm:topk lrm:importance random:topk``) and c in
+``--rates`` (default 0.2 0.3 0.5), per seed. Seeds vary the fine-tune (batch order, the
+random selection, the hash split of the fine-tuning data), never the base. Validation is
+on the held-out instruction records of the fine-tuning data.
+
+Report (``report.md`` in ``--out``): dPPL against the c = 0 fine-tune of the same seed
+(``experiments/analysis.py``), ``sft_dppl.png`` (bars) and ``sft_curves_<setting>.png``
+(validation perplexity per rate). ``--steps`` sets both stages' steps unless
+``--pretrain-steps`` / ``--sft-steps`` are given. Re-running the same command skips
+finished cells and resumes interrupted ones, the base included.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+import analysis
+import grid as _grid
+import plots
+import recipe
+from grid import Cell
+
+RECIPE = "sft"
+#: Records which base the fine-tunes of a grid directory were started from.
+BASE_FILE = "base.json"
+
+
+def base_cell(args) -> Cell:
+    """The pre-training run every fine-tune starts from."""
+    return Cell(f"base-c0-s{args.base_seed}",
+                ["-c", "0", "--set", f"seed={args.base_seed}",
+                 "--set", f"data.source={args.pretrain_data}"],
+                {"stage": "base", "rate": 0.0, "seed": args.base_seed})
+
+
+def base_checkpoint(out: Path, args) -> Path:
+    """The base's checkpoint at ``--pretrain-steps`` (it need not exist yet)."""
+    return out / base_cell(args).name / "checkpoints" / f"step-{args.pretrain_steps:08d}"
+
+
+def parse_settings(items: Sequence[str]) -> List[Tuple[str, str]]:
+    """``["lrm:topk", ...]`` -> ``[("lrm", "topk"), ...]``.
+
+    Raises:
+        ValueError: an item that is not ``METRIC:SELECTION`` (naming ``--settings``).
+    """
+    out = []
+    for item in items:
+        metric, sep, selection = item.partition(":")
+        if not sep or not metric or not selection:
+            raise ValueError(f"--settings {item!r}: expected METRIC:SELECTION, e.g. lrm:topk "
+                             "or random:topk")
+        out.append((metric, selection))
+    return out
+
+
+def sft_cells(args) -> List[Cell]:
+    """c = 0 per seed, then (setting, rate, seed); labels ``setting``, ``metric``,
+    ``selection``, ``rate``, ``seed``."""
+    out = [Cell(f"sft-c0-s{s}", ["-c", "0", "--set", f"seed={s}"],
+                {"setting": "c=0", "metric": "none", "selection": "none", "rate": 0.0,
+                 "seed": s})
+           for s in args.seeds]
+    out += [Cell(f"sft-{m}-{sel}-c{c:g}-s{s}",
+                 ["-c", f"{c:g}", "--metric", m, "--selection", sel, "--set", f"seed={s}"],
+                 {"setting": f"{m} {sel}", "metric": m, "selection": sel, "rate": c,
+                  "seed": s})
+            for m, sel in parse_settings(args.settings) for c in args.rates
+            for s in args.seeds]
+    return out
+
+
+def sft_args(args, checkpoint: Path) -> argparse.Namespace:
+    """``args`` for the fine-tune grid: its steps, and the ``--set`` items that point every
+    fine-tune at the base checkpoint, the instruction data and the fine-tuning schedule
+    (``--sft-set`` items last, so they win)."""
+    ft = copy.copy(args)
+    ft.steps = args.sft_steps
+    ft.sets = [*args.sets, f"model.init_from={checkpoint}",
+               f"data.source=alpaca:{args.sft_data}", f"optim.lr={args.sft_lr:g}",
+               f"optim.min_lr={args.sft_min_lr:g}", f"optim.warmup_steps={args.sft_warmup}",
+               *args.sft_sets]
+    return ft
+
+
+def check_base(out: Path, checkpoint: Path, cells: Sequence[Cell]) -> None:
+    """Refuse a grid directory whose fine-tunes were started from another base than
+    ``checkpoint`` (``out/base.json``): mixing them would compare fine-tunes of different
+    models.
+
+    Raises:
+        ValueError: naming both bases and the fix.
+    """
+    path = out / BASE_FILE
+    if not path.is_file():
+        return
+    before = json.loads(path.read_text()).get("checkpoint")
+    started = [c.name for c in cells if (out / c.name).exists()]
+    if before != str(checkpoint) and started:
+        raise ValueError(f"{out} holds fine-tunes ({', '.join(started[:3])}, ...) of the base "
+                         f"{before}, not of {checkpoint} (--pretrain-steps or --base-seed "
+                         f"changed); use another --out")
+
+
+def analyse(records, out: Path, args) -> str:
+    rows = analysis.dppl_table(records, ["setting", "rate"],
+                               lambda r: r["labels"]["rate"] == 0, args.last_evals)
+    baseline = [r for r in rows if r["rate"] == 0]
+    rows = [r for r in rows if r["rate"] != 0]
+    plots.bars(rows, lambda r: f"{r['setting']} c={r['rate']:g}", "dppl_pct", "dppl_pct_sd",
+               out / "sft_dppl.png", ylabel="dPPL vs c = 0 (%)",
+               title=f"{args.preset} SFT: dPPL per setting and rate")
+    figures = []
+    zero = [r for r in records if r["labels"]["rate"] == 0]
+    for setting in dict.fromkeys(r["labels"]["setting"] for r in records
+                                 if r["labels"]["rate"] != 0):
+        name = f"sft_curves_{setting.replace(' ', '-')}.png"
+        plots.curves(zero + [r for r in records if r["labels"]["setting"] == setting],
+                     "rate", out / name, label=lambda c: f"c={c:g}",
+                     title=f"{args.preset} SFT: validation perplexity ({setting})")
+        figures.append(f"![{setting}]({name})")
+    base = _grid._read_json(out / base_cell(args).name / "summary.json") or {}
+    return (f"## SFT setting\n\nBase: `{base_cell(args).name}` ({args.pretrain_data}, "
+            f"{args.pretrain_steps} steps, final validation perplexity "
+            f"{base.get('last_val_ppl', float('nan')):.4g}); fine-tunes on "
+            f"`alpaca:{args.sft_data}`, {args.sft_steps} steps, lr {args.sft_lr:g}.\n\n"
+            + analysis.markdown_table(baseline + rows, [
+                "setting", "rate", "ppl", "ppl_sd", "dppl_pct", "dppl_pct_sd", "dppl_abs",
+                "seeds"]) + "\n\n![dPPL per setting](sft_dppl.png)\n\n" + "\n".join(figures))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run (or analyse) the SFT grid; returns the exit status (1: a cell failed).
+
+    Raises:
+        ValueError: a bad flag (named), a missing ``--sft-data`` file, a base that did not
+            reach ``--pretrain-steps``, or an ``--out`` holding fine-tunes of another base.
+    """
+    p = recipe.parser(RECIPE, __doc__)
+    p.add_argument("--pretrain-data", default="gcide",
+                   help="lrmoe train --data spec of the base (gcide, text:PATH, alpaca:PATH)")
+    p.add_argument("--pretrain-steps", type=int, default=None,
+                   help="steps of the base (default: --steps)")
+    p.add_argument("--base-seed", type=int, default=0, help="seed of the base")
+    p.add_argument("--sft-data", required=True, metavar="PATH",
+                   help="Alpaca JSON or JSONL file to fine-tune on (lrmoe data wordnet-alpaca "
+                        "builds one; Stanford Alpaca's alpaca_data.json works as it is)")
+    p.add_argument("--sft-steps", type=int, default=None,
+                   help="steps of every fine-tune (default: --steps)")
+    p.add_argument("--sft-lr", type=float, default=3e-4, help="peak lr of the fine-tunes")
+    p.add_argument("--sft-min-lr", type=float, default=3e-5,
+                   help="final lr of the fine-tunes' cosine decay")
+    p.add_argument("--sft-warmup", type=int, default=30, help="warm-up steps of the fine-tunes")
+    p.add_argument("--sft-set", dest="sft_sets", action="append", default=[],
+                   metavar="KEY=VALUE", help="like --set, for the fine-tunes only")
+    p.add_argument("--settings", nargs="+", default=["lrm:topk", "lrm:importance",
+                                                     "random:topk"],
+                   help="METRIC:SELECTION pairs fine-tuned at every rate")
+    p.add_argument("--rates", type=float, nargs="+", default=[0.2, 0.3, 0.5])
+    args = p.parse_args(argv)
+    args.pretrain_steps = args.pretrain_steps if args.pretrain_steps is not None else args.steps
+    args.sft_steps = args.sft_steps if args.sft_steps is not None else args.steps
+    for name in ("pretrain_steps", "sft_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if any(c <= 0 for c in args.rates):
+        p.error("--rates are the dropping rates to compare (> 0); c = 0 always runs")
+    try:
+        parse_settings(args.settings)
+    except ValueError as e:
+        p.error(str(e))
+    if not Path(args.sft_data).is_file():
+        p.error(f"--sft-data {args.sft_data}: no such file; build it with `lrmoe data "
+                f"wordnet-alpaca --out {args.sft_data}` or give an Alpaca JSON/JSONL file")
+    out = Path(args.out or f"runs/experiments/{RECIPE}-{args.preset}")
+    args.out = str(out)
+    checkpoint = base_checkpoint(out, args)
+    cells = sft_cells(args)
+    ft = sft_args(args, checkpoint)
+    if args.dry_run:
+        print(base_cell(args).name, " ".join(base_cell(args).args),
+              f"(--steps {args.pretrain_steps})")
+        print("fine-tunes:", " ".join(f"--set {x}" for x in ft.sets[len(args.sets):]),
+              f"(--steps {args.sft_steps})")
+    elif not args.analyse_only:
+        check_base(out, checkpoint, cells)
+        status = _grid.run_grid([base_cell(args)], out, recipe.base_args(args),
+                                args.pretrain_steps)
+        if status[base_cell(args).name] not in ("done", "skipped"):
+            print(f"[sft] the base failed ({status}); log: {out / _grid.LOG_DIR}",
+                  file=sys.stderr)
+            return 1
+        if not checkpoint.is_dir():
+            raise ValueError(f"the base {out / base_cell(args).name} has no checkpoint "
+                             f"{checkpoint.name} (it ran to another step count?); use "
+                             f"another --out or --pretrain-steps")
+        (out / BASE_FILE).write_text(json.dumps({"checkpoint": str(checkpoint)}) + "\n")
+    return recipe.main(RECIPE, ft, cells, analyse,
+                       argv if argv is not None else sys.argv[1:])
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"experiments/{RECIPE}.py: error: {exc}", file=sys.stderr)
+        sys.exit(2)
