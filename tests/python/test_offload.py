@@ -177,3 +177,24 @@ def test_cuda_offload_matches_and_lowers_peak_memory(c):
         torch.testing.assert_close(b, a, **tol)
     h_bytes = tokens * 2 * 2 * inter * 2  # one layer's saved h: P rows of 2I bf16
     assert peak_off < peak_plain - 2 * h_bytes, (peak_off, peak_plain, h_bytes)
+
+
+def test_bench_layer_reports_offload_bytes(tmp_path):
+    from lrmoe.bench.layer import bench_layer
+    from lrmoe.bench.routing import SHAPES
+
+    result = bench_layer(["smoke"], [64], ["uniform"], rates=[0.3], methods=["lrmoe"],
+                         device="cpu", dtype="float32", iters=1, warmup=1, rotate=1,
+                         out_dir=str(tmp_path), offload="activations")
+    (rec,) = result["records"]
+    d = SHAPES["smoke"]
+    pairs = 64 * d["top_k"]
+    kept = int((1 - Fraction(3, 10)) * pairs)
+    h_row = 2 * d["inter"] * 4
+    assert rec["offload"] == "activations" and rec["num_retained"] == kept
+    assert rec["offload_h2d_bytes"] == kept * h_row
+    assert rec["offload_d2h_bytes"] == pairs * h_row + kept * 4
+    table = (tmp_path / "layer_bench.md").read_text()
+    assert f"| {kept * h_row / 1e6:.1f} / {(pairs * h_row + kept * 4) / 1e6:.1f} |" in table
+    with pytest.raises(ValueError, match="offload must be one of none, activations"):
+        bench_layer(["smoke"], [64], ["uniform"], offload="host", device="cpu")
