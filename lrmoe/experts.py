@@ -395,7 +395,8 @@ class ExpertFunction(torch.autograd.Function):
                             pair_row_P, offsets_E, quotas)
         h_rows_R = kept.kept_rows_R
         if ctx.offload is not None:  # offload: reload only the kept rows of h, compacted
-            h_P2I, h_rows_R = ctx.offload.load(ctx.h_stored, kept.kept_rows_R), None
+            h_P2I = ctx.offload.load(ctx.h_stored, kept.kept_rows_R, ascending=True)
+            h_rows_R = None
             ctx.h_stored = None
         # compacted buffers: every one has R rows
         with phase("lrmoe.compact"):
