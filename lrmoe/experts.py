@@ -397,7 +397,6 @@ class ExpertFunction(torch.autograd.Function):
         if ctx.offload is not None:  # offload: reload only the kept rows of h, compacted
             h_P2I = ctx.offload.load(ctx.h_stored, kept.kept_rows_R, ascending=True)
             h_rows_R = None
-            ctx.h_stored = None
         # compacted buffers: every one has R rows
         with phase("lrmoe.compact"):
             G_RH = ops.gather_rows(g_TH, kept.kept_pair_R, kept.scale_R, top_k)

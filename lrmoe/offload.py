@@ -24,9 +24,10 @@ memory is readable by kernels at its host address), on W-byte words so that each
 reads wide runs of a row. Only the kept rows cross the bus (R C itemsize bytes, i.e.
 (1 - c) of the saved rows), the index never leaves the device and the host does no work
 and never waits. The compute stream waits for the gather only where the expert backward
-first reads the rows (:meth:`PendingRows.get`): the reload of h runs under the router
-gradient's remainder, the G/X compaction and the dphi = G W_down GEMM (which reads no
-saved row); x (expert parallel) is read last, under the SwiGLU backward and dW_down.
+first reads the rows (:meth:`PendingRows.get`): the reload of h runs under the G/X
+compaction and the dphi = G W_down GEMM (which reads no saved row); x (expert parallel)
+is read last, under the SwiGLU forward recompute, dW_down and the SwiGLU backward. The
+router gradient, the scores and the selection come before the reload can start.
 When the index is every row in order (c = 0 on one device) the rows come back with one
 plain copy instead.
 

@@ -102,7 +102,6 @@ class ExpertParallelFunction(torch.autograd.Function):
         else:  # offload: reload only the kept rows of x and h, compacted
             X_MH = ctx.offload.load(ctx.x_stored, rows_M)
             h_N2I, h_rows_M = ctx.offload.load(ctx.h_stored, rows_M), None
-            ctx.x_stored = ctx.h_stored = None
         dx_MH, grad_w_gate_up_L2IH, grad_w_down_LHI, buffers = expert_backward(
             G_MH, X_MH, h_N2I, h_rows_M, w_gate_up_L2IH, w_down_LHI, plan.kept_offsets_L)
         dx_RH = combine_dx(dx_MH, order_M, plan, group)

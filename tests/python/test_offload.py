@@ -233,3 +233,18 @@ def test_bench_layer_reports_offload_bytes(tmp_path):
     assert f"| {kept * h_row / 1e6:.1f} / {pairs * h_row / 1e6:.1f} |" in table
     with pytest.raises(ValueError, match="offload must be one of none, activations"):
         bench_layer(["smoke"], [64], ["uniform"], offload="host", device="cpu")
+
+
+def test_retain_graph_backward_twice():
+    x, w_out = _inputs()
+    grads = []
+    for mode in ("none", "activations"):
+        torch.manual_seed(0)
+        layer = LRMoELayer(_cfg(recalibration_rate=0.3, offload=mode))
+        xr = x.clone().requires_grad_()
+        loss = (layer(xr) * w_out).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()  # the stored rows are still there for a second backward
+        grads.append([xr.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
