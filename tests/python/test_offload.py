@@ -21,6 +21,7 @@ from lrmoe.layer import LRMoELayer
 from lrmoe.offload import ActivationOffload, OffloadStats, ready
 from lrmoe.training.config import LRMoESettings
 
+import test_expert_parallel as tep
 from test_expert_parallel import _backends, _spawn
 
 H, I, E, K, T = 16, 12, 4, 2, 40
@@ -34,9 +35,10 @@ def _cfg(**kw):
 
 
 def _run(cfg, x, w_out, seed=0, ep_group=None, ids=None):
-    """Output, input gradient, every parameter gradient of one step, and the layer."""
+    """Output, input gradient, every parameter gradient of one step, and the layer (on
+    the device of ``x``)."""
     torch.manual_seed(seed)
-    layer = LRMoELayer(cfg, ep_group=ep_group)
+    layer = LRMoELayer(cfg, ep_group=ep_group).to(x.device)
     x = x.clone().requires_grad_()
     out = layer(x, ids)
     (out.float() * w_out).sum().backward()
@@ -141,13 +143,14 @@ def test_bad_offload_value():
 
 # ------------------------------------------------------------------------ expert parallel
 def _check_ep(rank, world, c):
-    x_all, w_all = _inputs(T * world, seed=5)
+    dev = tep._DEVICE  # this rank's device, set by the spawned worker
+    x_all, w_all = (t.to(dev) for t in _inputs(T * world, seed=5))
     sl = slice(rank * T, (rank + 1) * T)
     experts = 2 * world  # two per rank: rank d holds experts 2d, 2d + 1
     # forced routing (K distinct experts per token), known to the byte count below
     gen = torch.Generator().manual_seed(7)
     ids_TK = torch.stack([torch.randperm(experts, generator=gen)[:K]
-                          for _ in range(T * world)])[sl]
+                          for _ in range(T * world)])[sl].to(dev)
     cfg = _cfg(num_experts=experts, recalibration_rate=c)
     group = dist.group.WORLD
     plain = _run(cfg, x_all[sl], w_all[sl], seed=3, ep_group=group, ids=ids_TK)
@@ -180,7 +183,7 @@ def test_expert_parallel_bitwise_equal_to_no_offload(backend, world, c):
 def test_cuda_offload_matches_and_lowers_peak_memory(c):
     """bf16 on CUDA: equal to no offload within bf16 rounding; a stack of layers holds
     less memory at its peak (the saved h of every layer waits on the host)."""
-    dev, hidden, inter, experts, layers, tokens = "cuda", 512, 768, 8, 4, 4096
+    dev, hidden, inter, experts, layers, tokens = "cuda", 512, 768, 8, 6, 4096
 
     def step(offload):
         cfg = LRMoEConfig(hidden_size=hidden, moe_intermediate_size=inter,
