@@ -251,3 +251,40 @@ def test_retain_graph_backward_twice():
         grads.append([xr.grad] + [p.grad for p in layer.parameters()])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_training_settings_reach_every_patched_layer():
+    """``--offload`` / ``lrmoe.offload`` -> patch_moe_blocks -> each layer; a patched
+    transformers model trains bitwise as without offload, and the trainer's per-step
+    metrics sum the layers' bytes (hand count: layers x T K rows of h)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from lrmoe import train as T
+    from lrmoe.cli import build_parser
+    from lrmoe.integrations.transformers import patch_moe_blocks
+    from lrmoe.training.metrics import diagnostics_means
+
+    args = build_parser().parse_args(["train", "--offload", "activations"])
+    cfg = T.build_config("tiny", overrides={"offload": args.offload})
+    assert cfg.lrmoe.offload == "activations"
+    assert cfg.lrmoe_settings["offload"] == "activations"
+    with pytest.raises(ValueError, match="lrmoe.offload must be one of"):
+        T.build_config("tiny", sets=["lrmoe.offload=gpu"])
+
+    hf = Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                        moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
+                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                        head_dim=8, max_position_embeddings=32)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for mode in ("none", "activations"):
+        torch.manual_seed(0)
+        model = Qwen3MoeForCausalLM(hf)
+        patch_moe_blocks(model, recalibration_rate=0.3, offload=mode)
+        model(input_ids=ids, labels=ids).loss.backward()
+        runs.append((model, [p.grad for p in model.parameters()]))
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert (a is None and b is None) or torch.equal(a, b)
+    record = diagnostics_means(runs[1][0])
+    assert record["offload_d2h_bytes"] == 2 * (2 * 8 * 2) * (2 * 8) * 4
+    assert "offload_d2h_bytes" not in diagnostics_means(runs[0][0])
