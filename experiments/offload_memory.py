@@ -54,7 +54,8 @@ def train_rows(records, out: Path):
         if s is None:
             continue
         train = [r for r in read_metrics(out / rec["name"]) if r.get("kind") == "train"]
-        h2d, d2h = (_mean_key(train, "offload_h2d_bytes"), _mean_key(train, "offload_d2h_bytes"))
+        h2d = _mean_key(train, "offload_h2d_bytes")
+        d2h = _mean_key(train, "offload_d2h_bytes")
         peak = s.get("peak_cuda_memory_gib")
         rows.append(dict(rate=rec["labels"]["rate"], offload=rec["labels"]["offload"],
                          seed=rec["labels"]["seed"], steps=s["steps"],
