@@ -112,11 +112,15 @@ def analyse(records, out: Path, args) -> str:
                             "max_rss_gib", "tokens_per_s", "h2d_mb_per_step",
                             "d2h_mb_per_step"]))
     if not args.no_bench:
+        from lrmoe.offload import reload_path
+
         result["bench"] = bench(args, out)
+        result["bench_reload_path"] = reload_path()  # train cells: see their logs
         text += (f"\n\n### Layer benchmark ({args.bench_shape}, {args.bench_tokens} tokens, "
                  "uniform routing)\n\n"
                  + _table(result["bench"], [
-                     "rate", "offload", "fwd_ms", "bwd_ms", "peak_gib", "h2d_mb", "d2h_mb"]))
+                     "rate", "offload", "fwd_ms", "bwd_ms", "peak_gib", "h2d_mb", "d2h_mb"])
+                 + f"\n\nReload path: {result['bench_reload_path']}.")
     (out / "offload_memory.json").write_text(json.dumps(result, indent=1) + "\n")
     return text
 

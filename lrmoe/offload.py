@@ -58,6 +58,15 @@ _TYPESTR = {torch.int64: "<i8", torch.int32: "<i4", torch.int16: "<i2", torch.ui
 _DEVICE_VIEW_REFUSED: Optional[str] = None  # why torch refused it (then: host gathers)
 
 
+def reload_path() -> str:
+    """How CUDA reloads gather the kept rows in this process: ``device gather`` (the
+    kernel reads pinned host memory in place), or ``host gather (<why>)`` once torch
+    refused the device view."""
+    if _DEVICE_VIEW_REFUSED is None:
+        return "device gather"
+    return f"host gather ({_DEVICE_VIEW_REFUSED})"
+
+
 def _side_stream(device: torch.device) -> "torch.cuda.Stream":
     """The one offload stream of a CUDA device (created on first use)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
