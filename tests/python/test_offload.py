@@ -1,8 +1,9 @@
 """Activation offload (``LRMoEConfig.offload = "activations"``, lrmoe/offload.py).
 
-On the CPU the offload runs the same store / index / host-gather / copy path as on CUDA,
-so a layer with it must be bitwise equal to the same layer without it (outputs and every
-gradient), on one device and under gloo expert parallelism. The byte counts are checked
+On the CPU the offload runs the path it runs on CUDA (store a copy, gather the kept rows
+by index over a word view of it, copy them back), so a layer with it must be bitwise
+equal to the same layer without it (outputs and every gradient), on one device and under
+gloo expert parallelism. The byte counts are checked
 against values computed here by hand from the shapes: P = T K routed pairs,
 R = floor((1 - c) P) kept (exact rationals), itemsize of the dtype. The GPU test (skipped
 without CUDA) compares with no offload within bf16 rounding and checks that the peak
