@@ -34,7 +34,9 @@ plain copy instead.
 Where torch refuses the device view of host memory, the loads fall back (with a warning,
 once) to a host gather: the index comes to the host (one wait), ``torch.index_select``
 fills a pinned staging buffer and a copy on the side stream brings the R rows back; the
-same bytes cross the bus, plus R * 4 of index.
+same bytes cross the bus, plus R * 4 of index. ``LRMOE_OFFLOAD_HOST_GATHER=1`` in the
+environment chooses this path from the start (to compare the two, or where a device
+cannot read host memory).
 
 On the CPU the same code runs: the "device view" is the host tensor itself, the copies
 are plain copies, there are no streams or events; results are bitwise those of no
@@ -42,6 +44,7 @@ offload (a gather is an exact copy, and the kernels read the same values).
 """
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Union
@@ -98,6 +101,9 @@ def _device_view(words_NW: Tensor, device: torch.device) -> Optional[Tensor]:
     it (the reason is kept and warned about once)."""
     global _DEVICE_VIEW_REFUSED
     if _DEVICE_VIEW_REFUSED is not None:
+        return None
+    if os.environ.get("LRMOE_OFFLOAD_HOST_GATHER") == "1":
+        _DEVICE_VIEW_REFUSED = "LRMOE_OFFLOAD_HOST_GATHER=1"
         return None
     try:
         view_NW = torch.as_tensor(_HostArray(words_NW), device=device)
