@@ -16,6 +16,7 @@ EXIT_INTERRUPTED = 130
 
 
 def _add_train_parser(sub: Any) -> None:
+    from lrmoe.offload import OFFLOAD_MODES
     from lrmoe.ops import METRICS, QUOTA_RULES, SELECTIONS
     from lrmoe.train import PRESETS
 
@@ -48,6 +49,9 @@ def _add_train_parser(sub: Any) -> None:
     p.add_argument("--metric", choices=METRICS, help="LRMoE pair score")
     p.add_argument("--quota-rule", choices=QUOTA_RULES, help="LRMoE per-expert quota rule")
     p.add_argument("--selection", choices=SELECTIONS, help="LRMoE pair selection")
+    p.add_argument("--offload", choices=OFFLOAD_MODES,
+                   help="activations: keep the expert forward's saved rows in pinned host "
+                        "memory, reload only the kept rows (lrmoe.offload)")
     p.add_argument("--steps", type=int, help="optimizer steps")
     p.add_argument("--data", metavar="SPEC", help="gcide | alpaca:PATH | text:PATH")
     p.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json to use instead of "
@@ -178,6 +182,7 @@ def _train_overrides(args: argparse.Namespace) -> Dict[str, Any]:
     return {"recalibration_rate": args.recalibration_rate,
             "retained_mass_target": args.retained_mass_target, "metric": args.metric,
             "quota_rule": args.quota_rule, "selection": args.selection, "steps": args.steps,
+            "offload": args.offload,
             "data": args.data, "tokenizer": args.tokenizer, "init_from": args.init_from,
             "out_dir": args.out_dir, "device": args.device, "record_trace": args.record_trace,
             "ep_size": args.ep_size, "tensorboard": args.tensorboard,

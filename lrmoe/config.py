@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Tuple
 
+from lrmoe.offload import OFFLOAD_MODES
 from lrmoe.ops import METRICS, QUOTA_RULES, SELECTIONS, rate_fraction
 
 ROUTERS = ("softmax", "sigmoid")
@@ -51,6 +52,11 @@ class LRMoEConfig:
             sync per layer backward (the kept count depends on the scores); one device
             only (under EP the quotas are fixed in the forward, before any score exists).
 
+    Memory:
+        offload: ``none`` (default) or ``activations``: the expert forward's saved rows
+            (h, and the dispatched x under EP) wait for the backward in pinned host memory
+            and only the kept rows come back (:mod:`lrmoe.offload`); results unchanged.
+
     Raises:
         ValueError: naming the field and the accepted values, on any invalid setting.
     """
@@ -73,6 +79,7 @@ class LRMoEConfig:
     seed: int = 0
     selective_backward: bool = True
     retained_mass_target: float = 0.0
+    offload: str = "none"
     #: c as the exact fraction (p, q) of the quota arithmetic; derived, not an input.
     rate_pq: Tuple[int, int] = field(init=False, repr=False, compare=False, default=(0, 1))
 
@@ -96,7 +103,8 @@ class LRMoEConfig:
                 f"LRMoEConfig.recalibration_rate must be in [0, 1), got {c!r} "
                 "(0.1, 0.2, 0.3 are the paper's C10, C20, C30)")
         for name, allowed in (("metric", METRICS), ("quota_rule", QUOTA_RULES),
-                              ("selection", SELECTIONS), ("router", ROUTERS)):
+                              ("selection", SELECTIONS), ("router", ROUTERS),
+                              ("offload", OFFLOAD_MODES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LRMoEConfig.{name} must be one of {allowed}, "
                                  f"got {getattr(self, name)!r}")

@@ -23,7 +23,7 @@ rows, h read in place, buffer accounting).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -31,6 +31,7 @@ from torch.profiler import record_function as phase  # names the benchmark's bre
 
 from lrmoe import ops
 from lrmoe.config import LRMoEConfig
+from lrmoe.offload import OffloadStats, PendingRows, offload_for, ready
 
 
 def dropped_fraction(num_retained: int, num_pairs: int) -> Optional[float]:
@@ -61,6 +62,8 @@ class BackwardStats:
         a2a_bytes: expert parallel only (``lrmoe.parallel``): bytes this rank passed to
             each all-to-all (``forward_dispatch``, ``forward_combine`` incl. the fp32
             phi_sq side band, ``backward_grad``, ``backward_index``, ``backward_dx``).
+        offload: :class:`lrmoe.offload.OffloadStats` of the last step with
+            ``offload = "activations"``, else None.
     """
 
     tokens_per_expert_E: Optional[Tensor] = None
@@ -74,6 +77,7 @@ class BackwardStats:
     buffers: Dict[str, tuple] = field(default_factory=dict)
     #: expert parallel only: bytes this rank handed to each all-to-all of the last step
     a2a_bytes: Dict[str, int] = field(default_factory=dict)
+    offload: Optional[OffloadStats] = None
 
     def record_buffers(self, buffers: Dict[str, Tensor]) -> None:
         """Keep the shapes and the total bytes of the backward's expert buffers."""
@@ -88,7 +92,8 @@ class BackwardStats:
             (:func:`dropped_fraction`), ``retained_mass`` (float), ``load_max_over_mean_before``
             (max n_e / mean n_e), ``load_max_over_mean_after`` (max Q_e / mean Q_e),
             ``num_pairs``, ``num_retained`` and ``backward_buffer_bytes``. Backward entries
-            are None before the first backward.
+            are None before the first backward. With offload also ``offload_d2h_bytes``
+            and ``offload_h2d_bytes`` (:class:`lrmoe.offload.OffloadStats`).
         """
         out: Dict[str, object] = {"num_pairs": self.num_pairs}
         n = self.tokens_per_expert_E
@@ -105,6 +110,9 @@ class BackwardStats:
         out["backward_buffer_bytes"] = self.buffer_bytes if q is not None else None
         if self.a2a_bytes:
             out["a2a_bytes"] = dict(self.a2a_bytes)
+        if self.offload is not None:
+            out["offload_d2h_bytes"] = self.offload.d2h_bytes
+            out["offload_h2d_bytes"] = self.offload.h2d_bytes
         return out
 
 
@@ -136,19 +144,22 @@ def expert_forward(x_NH: Tensor, w_gate_up_E2IH: Tensor, w_down_EHI: Tensor,
     return h_N2I, phi_sq_N, y_NH
 
 
-def expert_backward(G_RH: Tensor, X_RH: Tensor, h_N2I: Tensor, h_rows_R: Optional[Tensor],
+def expert_backward(G_RH: Tensor, X_RH: Union[Tensor, PendingRows],
+                    h_N2I: Union[Tensor, PendingRows], h_rows_R: Optional[Tensor],
                     w_gate_up_E2IH: Tensor, w_down_EHI: Tensor, kept_offsets_E: Tensor
                     ) -> Tuple[Tensor, Tensor, Tensor, Dict[str, Tensor]]:
     """Compacted expert backward over the R kept rows (``lrmoe.expert_gemm_bwd`` range).
 
     The kept rows of the saved h are read in place through ``h_rows_R`` by the SwiGLU
     kernels (the compaction fused into their loads; docs/algorithm.md section 6), never
-    copied.
+    copied. With offload (:mod:`lrmoe.offload`) X and h arrive as reloads in flight;
+    dphi, which reads neither, is issued first so that the reload of h runs under it.
 
     Args:
         G_RH: (R, H) kept pair gradients s * alpha * g, grouped by expert.
-        X_RH: (R, H) the matching expert inputs.
-        h_N2I: (N, 2I) pre-activations saved by :func:`expert_forward`.
+        X_RH: (R, H) the matching expert inputs (or their pending reload).
+        h_N2I: (N, 2I) pre-activations saved by :func:`expert_forward` (or the pending
+            reload of its kept rows, then (R, 2I) with ``h_rows_R`` None).
         h_rows_R: (R,) int32 row of h of each kept row, or None when R = N in row order.
         w_gate_up_E2IH, w_down_EHI: the expert weights, dtype of G.
         kept_offsets_E: (E,) int32 inclusive ends of each expert's kept rows.
@@ -159,10 +170,12 @@ def expert_backward(G_RH: Tensor, X_RH: Tensor, h_N2I: Tensor, h_rows_R: Optiona
         :meth:`BackwardStats.record_buffers`).
     """
     with phase("lrmoe.expert_gemm_bwd"):
-        phi_RI, _ = ops.swiglu(h_N2I, h_rows_R)
         dphi_RI = ops.grouped_mm(G_RH, w_down_EHI, kept_offsets_E)
+        h_N2I = ready(h_N2I)  # offload: the wait for the reloaded h rows
+        phi_RI, _ = ops.swiglu(h_N2I, h_rows_R)
         grad_w_down_EHI = ops.grouped_mm(G_RH.t(), phi_RI, kept_offsets_E)
         dh_R2I = ops.swiglu_backward(dphi_RI, h_N2I, h_rows_R)
+        X_RH = ready(X_RH)  # offload: the wait for the reloaded x rows (expert parallel)
         grad_w_gate_up_E2IH = ops.grouped_mm(dh_R2I.t(), X_RH, kept_offsets_E)
         dx_RH = ops.grouped_mm(dh_R2I, w_gate_up_E2IH, kept_offsets_E)
     buffers = {"G": G_RH, "X": X_RH, "phi": phi_RI, "dphi": dphi_RI, "dh": dh_R2I,
@@ -345,6 +358,11 @@ class ExpertFunction(torch.autograd.Function):
         with phase("lrmoe.combine"):
             o_TH = ops.combine(y_PH, pair_row_P, weights_TK, top_k)
 
+        # offload (lrmoe/offload.py): h waits in host memory; x_TH is the layer input,
+        # held by autograd for the router anyway, so it stays
+        ctx.offload = offload_for(config.offload, stats)
+        if ctx.offload is not None:
+            ctx.h_stored, h_P2I = ctx.offload.store(h_P2I), None
         ctx.save_for_backward(x_TH, weights_TK, w_gate_up_E2IH, w_down_EHI, h_P2I, y_PH,
                               phi_sq_P, row_pair_P, pair_row_P, tokens_per_expert_E,
                               offsets_E)
@@ -375,13 +393,16 @@ class ExpertFunction(torch.autograd.Function):
 
         kept = select_pairs(cfg, stats, g_TH, weights_TK, y_PH, phi_sq_P, row_pair_P,
                             pair_row_P, offsets_E, quotas)
+        h_rows_R = kept.kept_rows_R
+        if ctx.offload is not None:  # offload: reload only the kept rows of h, compacted
+            h_P2I = ctx.offload.load(ctx.h_stored, kept.kept_rows_R, ascending=True)
+            h_rows_R = None
         # compacted buffers: every one has R rows
         with phase("lrmoe.compact"):
             G_RH = ops.gather_rows(g_TH, kept.kept_pair_R, kept.scale_R, top_k)
             X_RH = ops.gather_rows(x_TH, kept.kept_pair_R, None, top_k)
         dx_RH, grad_w_gate_up_E2IH, grad_w_down_EHI, buffers = expert_backward(
-            G_RH, X_RH, h_P2I, kept.kept_rows_R, w_gate_up_E2IH, w_down_EHI,
-            kept.kept_offsets_E)
+            G_RH, X_RH, h_P2I, h_rows_R, w_gate_up_E2IH, w_down_EHI, kept.kept_offsets_E)
         with phase("lrmoe.scatter"):
             grad_x_TH = ops.combine(dx_RH, kept.pair_kept_P, None, top_k)
         stats.record_buffers(buffers)

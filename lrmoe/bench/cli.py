@@ -13,6 +13,7 @@ from typing import List, Optional
 from lrmoe.bench.methods import EP_METHODS, METHODS
 from lrmoe.bench.report import A2A_PHASES, FAILED
 from lrmoe.bench.routing import ROUTINGS, SHAPES
+from lrmoe.offload import OFFLOAD_MODES
 
 
 DEFAULT_TOKENS = (16384, 32768)
@@ -48,6 +49,10 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="expert-parallel benchmark over N processes: launch with torchrun "
                         "--nproc-per-node N; experts sharded E/N per rank, --tokens per rank; "
                         "writes layer_bench_ep.{json,md}")
+    p.add_argument("--offload", default="none", choices=OFFLOAD_MODES,
+                   help="LRMoE layer's LRMoEConfig.offload: activations keeps the saved "
+                        "expert rows in pinned host memory (report column offload H2D / "
+                        "D2H MB); one device")
     p.add_argument("--smoke", action="store_true",
                    help="tiny CPU-sized run (CI): shape smoke, 256 tokens, 2 iterations")
     return p
@@ -58,7 +63,8 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
 
     Raises:
         ValueError: ``--tokens`` below 1, ``--tokens`` together with ``--smoke`` (which
-            fixes 256), or several torchrun processes without ``--ep``.
+            fixes 256), several torchrun processes without ``--ep``, or ``--offload``
+            with ``--ep``.
     """
     if min(args.tokens) < 1:
         raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
@@ -74,6 +80,10 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
         args.shapes, args.tokens, args.iters, args.warmup = ["smoke"], [256], 2, 1
         args.transformers_iters, args.rotate = 1, 2
         args.dtype = "float32" if (args.device or "cpu") == "cpu" else args.dtype
+    if args.ep is not None and args.offload != "none":
+        raise ValueError("--offload is measured by the one-device benchmark; drop --ep (the "
+                         "expert-parallel layer runs it too, but bench layer --ep does not "
+                         "time it)")
     if args.ep is not None:
         return _run_layer_ep(args, argv)
     from lrmoe.bench.layer import bench_layer
@@ -82,7 +92,7 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
     result = bench_layer(args.shapes, args.tokens, args.routing, args.rates, args.methods,
                          args.device, args.dtype, args.iters, args.warmup, args.rotate,
                          args.transformers_iters, args.trace, args.out, args.append_md,
-                         command)
+                         command, args.offload)
     print((result["meta"]["device"]) + ": wrote " + args.out + "/layer_bench.{json,md,png}")
     for r in result["records"]:
         head = f"{r['shape']:>14} {r['tokens']:>6} {r['routing']:>8} {r['label']:>14} "

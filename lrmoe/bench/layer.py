@@ -25,18 +25,20 @@ from lrmoe.bench.routing import Case, cases, load_imbalance, make_inputs
 from lrmoe.bench.timing import (PeakMemory, Timer, achieved_rates, kernel_split,
                                 measure_ceilings, phase_times, profile_step,
                                 time_iterations)
+from lrmoe.offload import OFFLOAD_MODES
 
 
 def run_case(case: Case, rates: Sequence[float], methods: Sequence[str], device: torch.device,
              iters: int, warmup: int, rotate: int, trace: Optional[str],
-             transformers_iters: int) -> List[dict]:
+             transformers_iters: int, offload: str = "none") -> List[dict]:
     """Check and time every method of one case; returns one record per method (see
-    :mod:`lrmoe.bench.report` for the fields)."""
+    :mod:`lrmoe.bench.report` for the fields; ``offload`` as ``LRMoEConfig.offload``
+    of the LRMoE layer)."""
     d = case.dims
     timer = Timer(device)
     inputs = make_inputs(case, device, rotate, trace)
     imbalance = statistics.mean(load_imbalance(i, d["experts"]) for i in inputs.ids)
-    built = build_methods(case, rates, methods, device)
+    built = build_methods(case, rates, methods, device, offload=offload)
     reference = (reference_outputs(built[0].reference, inputs)
                  if any(m.method != "lrmoe" for m in built) else None)
     records = []
@@ -65,7 +67,10 @@ def run_case(case: Case, rates: Sequence[float], methods: Sequence[str], device:
         if method.layer is not None:
             st = method.layer.stats
             rec.update(backward_buffer_bytes=st.buffer_bytes, num_retained=st.num_retained,
-                       num_pairs=st.num_pairs)
+                       num_pairs=st.num_pairs, offload=offload)
+            if st.offload is not None:  # bytes of the last (profiled) step
+                rec.update(offload_d2h_bytes=st.offload.d2h_bytes,
+                           offload_h2d_bytes=st.offload.h2d_bytes)
         rec["fwd_bwd_ms"] = rec["fwd_ms"] + rec["bwd_ms"]
         achieved_rates(rec, case)
         records.append(rec)
@@ -79,7 +84,8 @@ def bench_layer(shapes: Sequence[str], tokens: Sequence[int], routings: Sequence
                 device: Optional[str] = None, dtype: str = "bfloat16", iters: int = 20,
                 warmup: int = 5, rotate: int = 3, transformers_iters: int = 3,
                 trace: Optional[str] = None, out_dir: str = "bench-out",
-                append_md: Optional[str] = None, command: str = "") -> dict:
+                append_md: Optional[str] = None, command: str = "",
+                offload: str = "none") -> dict:
     """Run the benchmark and write ``layer_bench.json``, ``layer_bench.md`` and
     ``layer_bench.png`` under ``out_dir`` (and append the markdown to ``append_md``).
 
@@ -92,14 +98,18 @@ def bench_layer(shapes: Sequence[str], tokens: Sequence[int], routings: Sequence
         iters, warmup: timed and warm-up iterations (median reported). rotate: input sets.
         transformers_iters: timed iterations of the (slow) transformers block.
         trace: routing trace (.npz) for ``trace`` routing.
+        offload: ``none`` or ``activations`` (``LRMoEConfig.offload`` of the LRMoE layer;
+            the report's ``offload H2D / D2H MB`` column).
 
     Returns:
         dict with ``records``, ``ceilings``, ``targets``, ``meta``.
 
     Raises:
-        ValueError: unknown shape/routing/method/dtype, or ``torchtitan`` asked for where
-            it cannot be imported.
+        ValueError: unknown shape/routing/method/dtype/offload, or ``torchtitan`` asked for
+            where it cannot be imported.
     """
+    if offload not in OFFLOAD_MODES:
+        raise ValueError(f"offload must be one of {', '.join(OFFLOAD_MODES)}, got {offload!r}")
     methods = list(methods) if methods is not None else default_methods()
     torch_dtype = check_choices(shapes, methods, dtype)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -107,11 +117,11 @@ def bench_layer(shapes: Sequence[str], tokens: Sequence[int], routings: Sequence
     records: List[dict] = []
     for case in cases(shapes, tokens, routings, torch_dtype, dev):
         records += run_case(case, rates, methods, dev, iters, warmup, rotate, trace,
-                            transformers_iters)
+                            transformers_iters, offload)
     targets = check_targets(records, ceilings)
     meta = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
                 device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU",
-                command=command, iters=iters, methods=methods)
+                command=command, iters=iters, methods=methods, offload=offload)
     result = dict(records=records, ceilings=ceilings, targets=targets, meta=meta)
     out = write_reports(result, markdown(records, ceilings, targets, meta), out_dir,
                         "layer_bench", append_md)

@@ -120,12 +120,14 @@ def check_choices(shapes: Sequence[str], methods: Sequence[str], dtype: str) -> 
     return torch_dtype
 
 
-def layer_config(case: Case) -> LRMoEConfig:
-    """The LRMoE config of a case (metric ``lrm``, c set per method)."""
+def layer_config(case: Case, offload: str = "none") -> LRMoEConfig:
+    """The LRMoE config of a case (metric ``lrm``, c set per method; ``offload`` as
+    ``LRMoEConfig.offload``)."""
     d = case.dims
     return LRMoEConfig(hidden_size=d["hidden"], moe_intermediate_size=d["inter"],
                        num_experts=d["experts"], top_k=d["top_k"],
-                       shared_expert_intermediate_size=d["shared"], metric="lrm")
+                       shared_expert_intermediate_size=d["shared"], metric="lrm",
+                       offload=offload)
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -134,7 +136,8 @@ def tolerance(dtype: torch.dtype) -> float:
 
 
 def build_methods(case: Case, rates: Sequence[float], methods: Sequence[str],
-                  device: torch.device, ep_group=None) -> List[Method]:
+                  device: torch.device, ep_group=None, offload: str = "none"
+                  ) -> List[Method]:
     """All methods of one case over ONE set of weights (seeded; bf16 on GPU).
 
     Args:
@@ -144,6 +147,8 @@ def build_methods(case: Case, rates: Sequence[float], methods: Sequence[str],
         ep_group: a process group for expert parallelism: the LRMoE layer shards its
             experts over it (E / W per rank, the same slice of one seeded initialisation
             on every method) and ``dropless`` becomes ``dropless_moe_ep``. A collective.
+        offload: ``LRMoEConfig.offload`` of the LRMoE layer (the baselines keep their
+            activations on the device).
 
     Returns:
         One :class:`Method` per LRMoE rate, then dropless, transformers, torchtitan (those
@@ -158,7 +163,7 @@ def build_methods(case: Case, rates: Sequence[float], methods: Sequence[str],
         raise ValueError(f"--methods {' '.join(no_ep)} has no expert-parallel mode; drop it "
                          "from --methods when running with --ep")
     torch.manual_seed(0)
-    base = LRMoELayer(layer_config(case), ep_group=ep_group).to(device=device,
+    base = LRMoELayer(layer_config(case, offload), ep_group=ep_group).to(device=device,
                                                                   dtype=case.dtype)
     out: List[Method] = []
     if "lrmoe" in methods:

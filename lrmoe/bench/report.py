@@ -35,6 +35,13 @@ def _ms(v) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
+def _offload_mb(r: dict) -> str:
+    """``H2D / D2H`` MB of the activation offload (``-`` without it)."""
+    if r.get("offload_h2d_bytes") is None:
+        return "-"
+    return f"{r['offload_h2d_bytes'] / 1e6:.1f} / {r['offload_d2h_bytes'] / 1e6:.1f}"
+
+
 def _agreement(r: dict) -> str:
     a = r.get("agreement")
     if not a:
@@ -142,8 +149,9 @@ def markdown(records: List[dict], ceilings: dict, targets: List[dict], meta: dic
              "input gradient against LRMoE at c = 0 (a baseline over its tolerance is not "
              "timed).", "",
              "| shape | tokens | routing (max/mean) | method | fwd | bwd | fwd+bwd | "
-             "vs dropless | GEMM TFLOP/s | peak GiB | bwd buffers GiB | agreement |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "vs dropless | GEMM TFLOP/s | peak GiB | bwd buffers GiB | "
+             "offload H2D / D2H MB | agreement |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {(r["shape"], r["tokens"], r["routing"]): r["fwd_bwd_ms"] for r in records
             if r["method"] == "dropless" and r["fwd_bwd_ms"]}
     for r in records:
@@ -155,7 +163,7 @@ def markdown(records: List[dict], ceilings: dict, targets: List[dict], meta: dic
             f"{_ms(r['fwd_bwd_ms'])} | {_f(ratio, 3)} | {_f(r.get('gemm_TFLOPs'), 0)} | "
             f"{_f(r['peak_bytes'] / 2**30 if r.get('peak_bytes') else None, 2)} | "
             f"{_f(r['backward_buffer_bytes'] / 2**30 if r.get('backward_buffer_bytes') else None, 2)} "
-            f"| {_agreement(r)} |")
+            f"| {_offload_mb(r)} | {_agreement(r)} |")
     lines += ["", "Breakdown (ms of device time per phase, one profiled iteration):", "",
               "| shape | tokens | routing | method | " + " | ".join(PHASES_FWD + PHASES_BWD)
               + " |", "|---|---|---|---|" + "---|" * len(PHASES_FWD + PHASES_BWD)]

@@ -82,7 +82,7 @@ if transformers.__version__ != TESTED_TRANSFORMERS_VERSION:  # pragma: no cover
 
 #: settings of the planned backward, taken from the caller
 PLANNED_BACKWARD_FIELDS = ("recalibration_rate", "metric", "quota_rule", "selection", "seed",
-                           "selective_backward", "retained_mass_target")
+                           "selective_backward", "retained_mass_target", "offload")
 #: coefficients of ``layer.aux_loss`` (default: the model's ``router_aux_loss_coef``, 0)
 LAYER_LOSS_FIELDS = ("router_aux_loss_coef", "router_z_loss_coef")
 #: read from the transformers model, never from the caller

@@ -13,6 +13,7 @@ from torch.profiler import record_function as phase  # names the benchmark's bre
 from lrmoe import ops
 from lrmoe.config import LRMoEConfig
 from lrmoe.experts import expert_backward, expert_forward, select_pairs
+from lrmoe.offload import offload_for
 from lrmoe.parallel.dispatch import (combine, combine_dx, dispatch, dispatch_grads,
                                      exchange_counts)
 from lrmoe.parallel.group import announce_failure
@@ -56,6 +57,11 @@ class ExpertParallelFunction(torch.autograd.Function):
         with phase("lrmoe.combine"):
             o_TH = ops.combine(y_PH, pair_row_P, weights_TK, top_k)
 
+        # offload (lrmoe/offload.py): the received x rows and h wait in host memory
+        ctx.offload = offload_for(config.offload, stats)
+        if ctx.offload is not None:
+            ctx.x_stored, ctx.h_stored = ctx.offload.store(x_NH), ctx.offload.store(h_N2I)
+            x_NH = h_N2I = None
         ctx.save_for_backward(x_NH, h_N2I, weights_TK, w_gate_up_L2IH, w_down_LHI, y_PH,
                               phi_sq_P, row_pair_P, pair_row_P, offsets_E)
         ctx.config, ctx.stats, ctx.group, ctx.plan = config, stats, group, plan
@@ -89,11 +95,15 @@ class ExpertParallelFunction(torch.autograd.Function):
         with phase("lrmoe.compact"):
             G_RH = ops.gather_rows(g_TH, kept.kept_pair_R, kept.scale_R, top_k)
         G_MH, rows_M, order_M = dispatch_grads(G_RH, positions_R, plan, group)
-        with phase("lrmoe.compact"):
-            X_MH = ops.gather_rows(x_NH, rows_M, None, 1)
-        # the kept rows of h are read in place through rows_M, as on one device
+        if ctx.offload is None:
+            with phase("lrmoe.compact"):
+                X_MH = ops.gather_rows(x_NH, rows_M, None, 1)
+            h_rows_M = rows_M  # the kept rows of h are read in place, as on one device
+        else:  # offload: reload only the kept rows of x and h, compacted
+            X_MH = ctx.offload.load(ctx.x_stored, rows_M)
+            h_N2I, h_rows_M = ctx.offload.load(ctx.h_stored, rows_M), None
         dx_MH, grad_w_gate_up_L2IH, grad_w_down_LHI, buffers = expert_backward(
-            G_MH, X_MH, h_N2I, rows_M, w_gate_up_L2IH, w_down_LHI, plan.kept_offsets_L)
+            G_MH, X_MH, h_N2I, h_rows_M, w_gate_up_L2IH, w_down_LHI, plan.kept_offsets_L)
         dx_RH = combine_dx(dx_MH, order_M, plan, group)
         with phase("lrmoe.scatter"):
             grad_x_TH = ops.combine(dx_RH, kept.pair_kept_P, None, top_k)

@@ -20,6 +20,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from lrmoe.offload import OFFLOAD_MODES
 from lrmoe.ops import METRICS, QUOTA_RULES, SELECTIONS, rate_fraction
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -238,6 +239,9 @@ class LRMoESettings:
             and step drops the largest share of pairs, at most ``recalibration_rate``
             (then the cap), whose retained score mass stays >= rho*
             (``LRMoEConfig.retained_mass_target``; one device only).
+        offload: ``none`` or ``activations``: the expert forward's saved rows wait for the
+            backward in pinned host memory, only the kept rows come back
+            (``LRMoEConfig.offload``, lrmoe/offload.py).
     """
 
     recalibration_rate: float = 0.0
@@ -245,6 +249,7 @@ class LRMoESettings:
     quota_rule: str = "proportional"
     selection: str = "importance"
     retained_mass_target: float = 0.0
+    offload: str = "none"
 
     def validate(self) -> None:
         """Raises ValueError naming ``lrmoe.<field>`` on an invalid value."""
@@ -269,6 +274,7 @@ class LRMoESettings:
         _choice("lrmoe.metric", self.metric, METRICS)
         _choice("lrmoe.quota_rule", self.quota_rule, QUOTA_RULES)
         _choice("lrmoe.selection", self.selection, SELECTIONS)
+        _choice("lrmoe.offload", self.offload, OFFLOAD_MODES)
 
 
 @dataclass
@@ -424,7 +430,8 @@ class TrainConfig:
         s = self.lrmoe
         return {"recalibration_rate": float(s.recalibration_rate), "metric": s.metric,
                 "quota_rule": s.quota_rule, "selection": s.selection,
-                "retained_mass_target": float(s.retained_mass_target), "seed": self.run.seed}
+                "retained_mass_target": float(s.retained_mass_target), "seed": self.run.seed,
+                "offload": s.offload}
 
     def to_dict(self) -> Dict[str, Any]:
         """A JSON/YAML-able nested dict (one mapping per section, ``betas`` a list)."""
