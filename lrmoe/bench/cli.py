@@ -48,6 +48,13 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="expert-parallel benchmark over N processes: launch with torchrun "
                         "--nproc-per-node N; experts sharded E/N per rank, --tokens per rank; "
                         "writes layer_bench_ep.{json,md}")
+    p.add_argument("--profile-dir", default=None, metavar="DIR",
+                   help="write one Chrome trace per method (its profiled forward + "
+                        "backward) and where_time_goes.{md,json} (device ms per kernel, "
+                        "idle gaps and the host ranges they fall in) under DIR")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="also time every LRMoE rate as CUDA-graph replays of forward and "
+                        "backward (rows 'lrmoe c=.. graph'; CUDA only)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny CPU-sized run (CI): shape smoke, 256 tokens, 2 iterations")
     return p
@@ -58,7 +65,8 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
 
     Raises:
         ValueError: ``--tokens`` below 1, ``--tokens`` together with ``--smoke`` (which
-            fixes 256), or several torchrun processes without ``--ep``.
+            fixes 256), several torchrun processes without ``--ep``, or ``--profile-dir``
+            / ``--cuda-graph`` with ``--ep``.
     """
     if min(args.tokens) < 1:
         raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
@@ -70,6 +78,10 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
         raise ValueError(f"torchrun started {world} processes but --ep is not given: pass "
                          f"--ep {world} for the expert-parallel benchmark (without it every "
                          "process would run the one-device benchmark into the same files)")
+    if args.ep is not None and (args.profile_dir or args.cuda_graph):
+        raise ValueError("--profile-dir and --cuda-graph time the one-device layer; drop "
+                         "them with --ep (the expert-parallel step has collectives between "
+                         "its kernels)")
     if args.smoke:
         args.shapes, args.tokens, args.iters, args.warmup = ["smoke"], [256], 2, 1
         args.transformers_iters, args.rotate = 1, 2
@@ -82,8 +94,10 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
     result = bench_layer(args.shapes, args.tokens, args.routing, args.rates, args.methods,
                          args.device, args.dtype, args.iters, args.warmup, args.rotate,
                          args.transformers_iters, args.trace, args.out, args.append_md,
-                         command)
-    print((result["meta"]["device"]) + ": wrote " + args.out + "/layer_bench.{json,md,png}")
+                         command, args.profile_dir, args.cuda_graph)
+    print((result["meta"]["device"]) + ": wrote " + args.out + "/layer_bench.{json,md,png}"
+          + (f", {args.profile_dir}/where_time_goes.{{md,json}} and traces"
+             if args.profile_dir else ""))
     for r in result["records"]:
         head = f"{r['shape']:>14} {r['tokens']:>6} {r['routing']:>8} {r['label']:>14} "
         print(head + (f"fwd {r['fwd_ms']:8.2f} ms  bwd {r['bwd_ms']:8.2f} ms"

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 from typing import List, Optional, Sequence
 
 import torch
 
 from lrmoe.bench.methods import (build_methods, check_agreement, check_choices,
                                  default_methods, reference_outputs)
+from lrmoe.bench.profile import (CPU_OP_CAT, DEVICE_CATS, load_trace, trace_name,
+                                 where_time_goes)
+from lrmoe.bench.profile import write as write_time_goes
 from lrmoe.bench.report import FAILED, check_targets, markdown, plot, write_reports
 from lrmoe.bench.routing import Case, cases, load_imbalance, make_inputs
 from lrmoe.bench.timing import (PeakMemory, Timer, achieved_rates, kernel_split,
@@ -29,9 +33,13 @@ from lrmoe.bench.timing import (PeakMemory, Timer, achieved_rates, kernel_split,
 
 def run_case(case: Case, rates: Sequence[float], methods: Sequence[str], device: torch.device,
              iters: int, warmup: int, rotate: int, trace: Optional[str],
-             transformers_iters: int) -> List[dict]:
+             transformers_iters: int, profile_dir: Optional[str] = None,
+             cuda_graph: bool = False) -> List[dict]:
     """Check and time every method of one case; returns one record per method (see
-    :mod:`lrmoe.bench.report` for the fields)."""
+    :mod:`lrmoe.bench.report` for the fields), and with ``cuda_graph`` one more record
+    after each LRMoE rate (:func:`graph_record`). ``profile_dir``: write each method's
+    profiled step there as a Chrome trace and add its ``time_goes``
+    (:func:`lrmoe.bench.profile.where_time_goes`) to the record."""
     d = case.dims
     timer = Timer(device)
     inputs = make_inputs(case, device, rotate, trace)
@@ -60,17 +68,71 @@ def run_case(case: Case, rates: Sequence[float], methods: Sequence[str], device:
         rec.update(fwd_ms=statistics.median(fwd), bwd_ms=statistics.median(bwd),
                    iters=n_iter, peak_bytes=mem.peak,
                    phases_ms=phase_times(prof, device.type == "cuda"))
-        if device.type == "cuda":
-            rec.update(kernel_split(prof))
-        if method.layer is not None:
-            st = method.layer.stats
-            rec.update(backward_buffer_bytes=st.buffer_bytes, num_retained=st.num_retained,
-                       num_pairs=st.num_pairs)
-        rec["fwd_bwd_ms"] = rec["fwd_ms"] + rec["bwd_ms"]
-        achieved_rates(rec, case)
+        _finish(rec, method, prof, case, device, profile_dir)
         records.append(rec)
+        if cuda_graph and method.layer is not None:
+            records.append(graph_record(rec, method, inputs, case, device, timer, warmup,
+                                        iters, profile_dir))
     del built
     return records
+
+
+def _finish(rec: dict, method, prof, case: Case, device: torch.device,
+            profile_dir: Optional[str]) -> None:
+    """Add kernel split, LRMoE stats, fwd_bwd_ms, achieved rates and (``profile_dir``)
+    the trace and ``time_goes`` of ``prof`` to a timed record."""
+    if device.type == "cuda":
+        rec.update(kernel_split(prof))
+    if method.layer is not None:
+        st = method.layer.stats
+        rec.update(backward_buffer_bytes=st.buffer_bytes, num_retained=st.num_retained,
+                   num_pairs=st.num_pairs)
+    rec["fwd_bwd_ms"] = rec["fwd_ms"] + rec["bwd_ms"]
+    achieved_rates(rec, case)
+    if profile_dir is not None:
+        path = Path(profile_dir) / f"{trace_name(rec)}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+        cats = DEVICE_CATS if device.type == "cuda" else (CPU_OP_CAT,)
+        rec["time_goes"] = where_time_goes(load_trace(path), cats)
+
+
+def graph_record(eager: dict, method, inputs, case: Case, device: torch.device, timer,
+                 warmup: int, iters: int, profile_dir: Optional[str]) -> dict:
+    """Time an LRMoE method as CUDA-graph replays (:class:`lrmoe.bench.graph.GraphedStep`).
+
+    Returns a record like the eager one (``method`` ``lrmoe_graph``, label ``lrmoe c=..
+    graph``) with ``graph_bitwise`` (replay == eager step bit for bit on input set 0,
+    output, input and parameter gradients; ``graph_mismatched`` names the others) and
+    ``peak_bytes`` = the bytes the capture added (the graphs' pool). No ``phases_ms``: a
+    replay runs no host ranges (its kernels are in ``time_goes``).
+
+    Raises:
+        ValueError: off CUDA, or a config a replay would not repeat
+            (:func:`lrmoe.bench.graph.check_capturable`).
+    """
+    from lrmoe.bench.graph import (GraphedStep, check_capturable, graph_matches_eager,
+                                   profile_graph, time_graph)
+    check_capturable(method.layer.config)
+    rec = {k: eager[k] for k in ("shape", "tokens", "routing", "load_max_over_mean",
+                                 "rate")}
+    rec.update(method="lrmoe_graph", label=f"{eager['label']} graph", agreement=None)
+    with PeakMemory(device) as mem:
+        step = GraphedStep(method.forward, method.params, inputs.xs[0], inputs.ids[0],
+                           inputs.gs[0])
+    check = graph_matches_eager(step, method.forward, inputs.xs[0], inputs.ids[0],
+                                inputs.gs[0])
+    fwd, bwd = time_graph(step, inputs, timer, warmup, iters)
+    prof = profile_graph(step, inputs, device)
+    rec.update(fwd_ms=statistics.median(fwd), bwd_ms=statistics.median(bwd), iters=iters,
+               peak_bytes=mem.peak, phases_ms={}, graph_bitwise=check["bitwise"],
+               graph_mismatched=check["mismatched"])
+    _finish(rec, method, prof, case, device, profile_dir)
+    for p in method.params:  # release the graphs' pool with the graphs
+        p.grad = None
+    del step
+    torch.cuda.empty_cache()
+    return rec
 
 
 def bench_layer(shapes: Sequence[str], tokens: Sequence[int], routings: Sequence[str],
@@ -79,7 +141,8 @@ def bench_layer(shapes: Sequence[str], tokens: Sequence[int], routings: Sequence
                 device: Optional[str] = None, dtype: str = "bfloat16", iters: int = 20,
                 warmup: int = 5, rotate: int = 3, transformers_iters: int = 3,
                 trace: Optional[str] = None, out_dir: str = "bench-out",
-                append_md: Optional[str] = None, command: str = "") -> dict:
+                append_md: Optional[str] = None, command: str = "",
+                profile_dir: Optional[str] = None, cuda_graph: bool = False) -> dict:
     """Run the benchmark and write ``layer_bench.json``, ``layer_bench.md`` and
     ``layer_bench.png`` under ``out_dir`` (and append the markdown to ``append_md``).
 
@@ -92,22 +155,29 @@ def bench_layer(shapes: Sequence[str], tokens: Sequence[int], routings: Sequence
         iters, warmup: timed and warm-up iterations (median reported). rotate: input sets.
         transformers_iters: timed iterations of the (slow) transformers block.
         trace: routing trace (.npz) for ``trace`` routing.
+        profile_dir: also write there one Chrome trace per method (its profiled step)
+            and ``where_time_goes.{md,json}`` (:mod:`lrmoe.bench.profile`).
+        cuda_graph: also time each LRMoE rate as CUDA-graph replays
+            (:func:`graph_record`; CUDA only).
 
     Returns:
         dict with ``records``, ``ceilings``, ``targets``, ``meta``.
 
     Raises:
-        ValueError: unknown shape/routing/method/dtype, or ``torchtitan`` asked for where
-            it cannot be imported.
+        ValueError: unknown shape/routing/method/dtype, ``torchtitan`` asked for where
+            it cannot be imported, or ``cuda_graph`` off CUDA.
     """
     methods = list(methods) if methods is not None else default_methods()
     torch_dtype = check_choices(shapes, methods, dtype)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if cuda_graph and dev.type != "cuda":
+        raise ValueError(f"--cuda-graph captures CUDA graphs, but the device is {dev}; "
+                         "run on a GPU (--device cuda) or drop --cuda-graph")
     ceilings = measure_ceilings(dev)
     records: List[dict] = []
     for case in cases(shapes, tokens, routings, torch_dtype, dev):
         records += run_case(case, rates, methods, dev, iters, warmup, rotate, trace,
-                            transformers_iters)
+                            transformers_iters, profile_dir, cuda_graph)
     targets = check_targets(records, ceilings)
     meta = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
                 device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU",
@@ -116,4 +186,6 @@ def bench_layer(shapes: Sequence[str], tokens: Sequence[int], routings: Sequence
     out = write_reports(result, markdown(records, ceilings, targets, meta), out_dir,
                         "layer_bench", append_md)
     plot(records, out / "layer_bench.png")
+    if profile_dir is not None:
+        write_time_goes(records, meta, profile_dir)
     return result
