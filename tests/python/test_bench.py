@@ -215,6 +215,18 @@ def test_targets_come_from_the_data_file(tmp_path):
         load_targets(str(bad))
     assert load_targets()["case"] == dict(shape="qwen3-30b-a3b", tokens=32768,
                                           routing="skewed")
+    # the CUDA-graph rows (--cuda-graph) have targets of their own; c=0.2 graph not run
+    graph = [_rec("lrmoe_graph", 0.0, 3.0, 7.0), _rec("lrmoe_graph", 0.3, 2.0, 6.25),
+             _rec("torchtitan", None, 10.0, 11.0)]
+    rows = {t["target"]: t for t in check_targets(records + graph, {})}
+    expect = {"c=0 graph fwd+bwd ms": (10.0, True), "c=0 graph fwd ms": (3.0, True),
+              "c=0 graph bwd ms": (7.0, True),
+              "torchtitan fwd+bwd / c=0 graph fwd+bwd (speed-up)": (21 / 10, False),
+              "c=0.3 graph fwd+bwd / c=0 graph fwd+bwd": (8.25 / 10, False)}
+    for name, (value, met) in expect.items():
+        assert rows[name]["value"] == pytest.approx(value), name
+        assert (rows[name]["met"], rows[name]["info"]) == (met, True), name
+    assert "c=0.2 graph fwd+bwd / c=0 graph fwd+bwd" not in rows
 
 
 def test_cli_runs_from_an_installed_copy_without_profiler_noise(tmp_path):
