@@ -74,12 +74,15 @@ class GraphedStep:
     """
 
     def __init__(self, forward: Callable[[Tensor, Tensor], Tensor], params: Sequence[Tensor],
-                 x_TH: Tensor, ids_TK: Tensor, g_TH: Tensor, warmup: int = 3) -> None:
+                 x_TH: Tensor, ids_TK: Tensor, g_TH: Tensor, warmup: int = 3,
+                 capture: bool = True) -> None:
         if x_TH.device.type != "cuda":
             raise ValueError(f"--cuda-graph needs a CUDA device, the input is on {x_TH.device}")
-        self.params = list(params)
+        self.forward, self.params = forward, list(params)
         self.x_TH = x_TH.detach().clone().requires_grad_()
         self.ids_TK, self.g_TH = ids_TK.clone(), g_TH.detach().clone()
+        self.fwd_graph = self.bwd_graph = self.out_TH = self.dx_TH = None
+        self.grads: List[Optional[Tensor]] = []
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -87,16 +90,23 @@ class GraphedStep:
                 self._clear_grads()
                 forward(self.x_TH, self.ids_TK).backward(self.g_TH)
         torch.cuda.current_stream().wait_stream(side)
+        if capture:
+            self.capture()
+
+    def capture(self) -> None:
+        """Capture the forward and the backward graphs (the constructor does, unless
+        ``capture=False``: then call this, e.g. inside a profiler session so that the
+        profiler sees the kernels of later replays)."""
         # the backward capture must allocate the gradients (AccumulateGrad assigns into
         # an empty .grad); an existing .grad would be accumulated into on every replay
         self._clear_grads()
         self.fwd_graph, self.bwd_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.fwd_graph):
-            self.out_TH = forward(self.x_TH, self.ids_TK)
+            self.out_TH = self.forward(self.x_TH, self.ids_TK)
         with torch.cuda.graph(self.bwd_graph, pool=self.fwd_graph.pool()):
             self.out_TH.backward(self.g_TH)
         self.dx_TH = self.x_TH.grad
-        self.grads: List[Optional[Tensor]] = [p.grad for p in self.params]
+        self.grads = [p.grad for p in self.params]
 
     def _clear_grads(self) -> None:
         self.x_TH.grad = None
@@ -177,15 +187,19 @@ def time_graph(step: GraphedStep, inputs, timer, warmup: int, iters: int
     return fwd, bwd
 
 
-def profile_graph(step: GraphedStep, inputs, device: torch.device):
-    """One profiled replay on input set 0, forward in ``lrmoe:forward`` and backward in
-    ``lrmoe:backward`` (as :func:`lrmoe.bench.timing.profile_step`); returns the profile."""
+def capture_profiled(step: GraphedStep, inputs, device: torch.device):
+    """Capture ``step`` (made with ``capture=False``) and replay it once on input set 0,
+    all in one profiler session: the profiler must be running when a graph is captured
+    to record the kernels of its replays. The replay's forward runs in ``lrmoe:forward``
+    and its backward in ``lrmoe:backward`` (as :func:`lrmoe.bench.timing.profile_step`).
+    Returns the profile."""
     from lrmoe.bench.profile import BWD_RANGE, FWD_RANGE
     from lrmoe.bench.timing import profiled
 
-    step.load(inputs.xs[0], inputs.ids[0], inputs.gs[0])
-    torch.cuda.synchronize()
     with profiled(device) as prof:
+        step.capture()
+        step.load(inputs.xs[0], inputs.ids[0], inputs.gs[0])
+        torch.cuda.synchronize()
         with torch.profiler.record_function(FWD_RANGE):
             step.fwd_graph.replay()
         with torch.profiler.record_function(BWD_RANGE):

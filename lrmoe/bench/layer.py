@@ -104,26 +104,27 @@ def graph_record(eager: dict, method, inputs, case: Case, device: torch.device, 
     Returns a record like the eager one (``method`` ``lrmoe_graph``, label ``lrmoe c=..
     graph``) with ``graph_bitwise`` (replay == eager step bit for bit on input set 0,
     output, input and parameter gradients; ``graph_mismatched`` names the others) and
-    ``peak_bytes`` = the bytes the capture added (the graphs' pool). No ``phases_ms``: a
-    replay runs no host ranges (its kernels are in ``time_goes``).
+    ``peak_bytes`` = the peak allocation of warm-up, capture and one replay (the graphs'
+    pool included). No ``phases_ms``: a replay runs no host ranges (its kernels are in
+    ``time_goes``, all under the phase ``(no phase)``).
 
     Raises:
         ValueError: off CUDA, or a config a replay would not repeat
             (:func:`lrmoe.bench.graph.check_capturable`).
     """
-    from lrmoe.bench.graph import (GraphedStep, check_capturable, graph_matches_eager,
-                                   profile_graph, time_graph)
+    from lrmoe.bench.graph import (GraphedStep, capture_profiled, check_capturable,
+                                   graph_matches_eager, time_graph)
     check_capturable(method.layer.config)
     rec = {k: eager[k] for k in ("shape", "tokens", "routing", "load_max_over_mean",
                                  "rate")}
     rec.update(method="lrmoe_graph", label=f"{eager['label']} graph", agreement=None)
     with PeakMemory(device) as mem:
         step = GraphedStep(method.forward, method.params, inputs.xs[0], inputs.ids[0],
-                           inputs.gs[0])
+                           inputs.gs[0], capture=False)
+        prof = capture_profiled(step, inputs, device)
     check = graph_matches_eager(step, method.forward, inputs.xs[0], inputs.ids[0],
                                 inputs.gs[0])
     fwd, bwd = time_graph(step, inputs, timer, warmup, iters)
-    prof = profile_graph(step, inputs, device)
     rec.update(fwd_ms=statistics.median(fwd), bwd_ms=statistics.median(bwd), iters=iters,
                peak_bytes=mem.peak, phases_ms={}, graph_bitwise=check["bitwise"],
                graph_mismatched=check["mismatched"])

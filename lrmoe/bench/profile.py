@@ -102,7 +102,9 @@ def where_time_goes(events: Sequence[dict], device_cats: Sequence[str] = DEVICE_
         ``{"forward": part, "backward": part}``, each part a dict: ``span_ms``,
         ``busy_ms``, ``idle_ms``, ``num_ops``, ``num_gaps``; ``kernels``: list of
         ``{"name", "ms", "count"}`` by decreasing ms (per :func:`kernel_family`);
-        ``phases``: phase -> device ms of its ops; ``idle_by_host_range``: host range ->
+        ``phases``: phase -> device ms of its ops; ``graph_launches``: CUDA-graph
+        launches in the part (their kernels count only if the profiler recorded them:
+        it must run while the graph is captured); ``idle_by_host_range``: host range ->
         ms of the gaps it was running in; ``gaps``: the ``top_gaps`` largest, each
         ``{"ms", "start_ms"`` (from the part's first op), ``"before", "after"`` (kernel
         families), ``"before_phase", "after_phase", "host_range"}``.
@@ -144,8 +146,13 @@ def where_time_goes(events: Sequence[dict], device_cats: Sequence[str] = DEVICE_
         phase = (ranges.innermost(t, "lrmoe.") if ranges else None) or "(no phase)"
         start = float(e["ts"])
         ops[part].append((start, start + float(e["dur"]), kernel_family(e["name"]), phase))
-    return {part: _part(sorted(ops[part]), all_ranges, cpu_ops, top_gaps)
-            for part, _ in PARTS}
+    out = {part: _part(sorted(ops[part]), all_ranges, cpu_ops, top_gaps)
+           for part, _ in PARTS}
+    for part, mark in PARTS:  # a replayed CUDA graph's kernels may go unrecorded
+        out[part]["graph_launches"] = sum(
+            1 for e in launches.values() if "GraphLaunch" in e["name"]
+            and marks[mark][0] <= float(e["ts"]) <= marks[mark][1])
+    return out
 
 
 def _part(ops: List[tuple], ranges: _Ranges, cpu_ops: _Ranges, top_gaps: int) -> dict:
@@ -215,6 +222,9 @@ def markdown(records: Sequence[dict], meta: dict) -> str:
                          f"{p['idle_ms']:.3f} | {p['num_ops']} | {p['num_gaps']} | {idle} |")
         for part, _ in PARTS:
             p = tg[part]
+            if p.get("graph_launches") and not p["num_ops"]:
+                lines += ["", f"{part}: {p['graph_launches']} CUDA-graph launch(es) but no "
+                          "kernel recorded: the profiler did not see the graph's kernels"]
             lines += ["", f"{part}: kernels (ms, count) and phases", "",
                       "| kernel | ms | count |", "|---|---|---|"]
             lines += [f"| `{k['name'][:90]}` | {k['ms']:.3f} | {k['count']} |"

@@ -336,6 +336,15 @@ def test_where_time_goes_on_a_hand_made_trace():
     (g,) = b["gaps"]
     assert g["host_range"] == "lrmoe.select" and g["after_phase"] == "(no phase)"
     assert g["before"] == "Memset"  # kernel_family drops the "(...)"
+    assert f["graph_launches"] == b["graph_launches"] == 0
+    # a graph replay: its kernels correlate to the cudaGraphLaunch inside the part
+    graph = [_x("lrmoe:forward", "user_annotation", 0, 10),
+             _x("lrmoe:backward", "user_annotation", 10, 10),
+             _x("cudaGraphLaunch", "cuda_runtime", 2, 1, corr=9),
+             _x("k1", "kernel", 20, 5, pid=0, corr=9), _x("k2", "kernel", 30, 5, pid=0, corr=9)]
+    tg = where_time_goes(graph)
+    assert tg["forward"]["graph_launches"] == 1 and tg["backward"]["graph_launches"] == 0
+    assert tg["forward"]["num_ops"] == 2 and tg["forward"]["idle_ms"] == pytest.approx(0.005)
 
 
 def test_where_time_goes_needs_the_step_markers():
