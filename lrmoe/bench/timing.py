@@ -257,11 +257,11 @@ def achieved_rates(rec: dict, case: Case) -> None:
         rec["gemm_TFLOPs"] = flops / rec["gemm_kernels"] / 1e9
     ph = rec["phases_ms"]
     need = {
-        "permute": p * 8 + p * 8 + 2 * p * h * esize,           # ids, maps, x rows
+        "permute": p * 8 + p * 8 + (t + p) * h * esize,         # ids, maps, x read once
         "combine": p * h * esize + p * 8 + t * h * esize,
         "score": t * h * esize + p * (4 + 4 + 4) + p * 4,
         "select": p * 4 * 3 + r * 4 * 3 + p * 4,
-        "compact": 2 * (2 * r * h * esize),  # G and X rows (h is read in place)
+        "compact": 2 * (t + r) * h * esize,  # g and x read once, G and X written
         "scatter": r * h * esize + p * 4 + t * h * esize,
     }
     rec["phase_GBps"] = {k: v / ph[k] / 1e6 for k, v in need.items() if ph.get(k)}
