@@ -101,12 +101,26 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
     for r in result["records"]:
         head = f"{r['shape']:>14} {r['tokens']:>6} {r['routing']:>8} {r['label']:>14} "
         print(head + (f"fwd {r['fwd_ms']:8.2f} ms  bwd {r['bwd_ms']:8.2f} ms"
-                      if r["fwd_ms"] is not None else _failed(r)))
+                      if r["fwd_ms"] is not None else _failed(r)) + _extra(r))
     for t in result["targets"]:
         met = "-" if t["met"] is None else "met" if t["met"] else "MISSED"
         print(f"{'info' if t['info'] else 'target'} {t['target']}: {t['value']:.3f} "
               f"({t['limit']}) {met}")
     return result
+
+
+def _extra(r: dict) -> str:
+    """The graph check and, with --profile-dir, the device idle time of each part."""
+    out = ""
+    if "graph_bitwise" in r:
+        out += "  replay == eager bitwise" if r["graph_bitwise"] else (
+            "  replay DIFFERS from eager: " + ", ".join(r["graph_mismatched"]))
+    tg = r.get("time_goes")
+    if tg:
+        out += "  idle/span ms fwd {:.2f}/{:.2f} bwd {:.2f}/{:.2f}".format(
+            tg["forward"]["idle_ms"], tg["forward"]["span_ms"], tg["backward"]["idle_ms"],
+            tg["backward"]["span_ms"])
+    return out
 
 
 def _failed(r: dict) -> str:
