@@ -125,6 +125,8 @@ def _extra(r: dict) -> str:
 
 def _failed(r: dict) -> str:
     a = r["agreement"]
+    if a is None:  # not an agreement failure (a CUDA-graph row whose capture failed)
+        return r.get("status", "not timed")
     return (f"not timed: disagrees with lrmoe c=0 (output {a['out_rel_err']:.2e}, input "
             f"gradient {a['dx_rel_err']:.2e}, tolerance {a['tolerance']:.0e})")
 

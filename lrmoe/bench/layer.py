@@ -71,8 +71,11 @@ def run_case(case: Case, rates: Sequence[float], methods: Sequence[str], device:
         _finish(rec, method, prof, case, device, profile_dir)
         records.append(rec)
         if cuda_graph and method.layer is not None:
-            records.append(graph_record(rec, method, inputs, case, device, timer, warmup,
-                                        iters, profile_dir))
+            try:
+                records.append(graph_record(rec, method, inputs, case, device, timer, warmup,
+                                            iters, profile_dir))
+            except RuntimeError as err:  # a failed capture: report it, keep the other rows
+                records.append(_graph_failed(rec, method, err))
     del built
     return records
 
@@ -95,6 +98,20 @@ def _finish(rec: dict, method, prof, case: Case, device: torch.device,
         prof.export_chrome_trace(str(path))
         cats = DEVICE_CATS if device.type == "cuda" else (CPU_OP_CAT,)
         rec["time_goes"] = where_time_goes(load_trace(path), cats)
+
+
+def _graph_failed(eager: dict, method, err: Exception) -> dict:
+    """The record of a CUDA-graph row whose capture or replay raised: not timed, with
+    ``status`` naming the error."""
+    for p in method.params:
+        p.grad = None
+    rec = {k: eager[k] for k in ("shape", "tokens", "routing", "load_max_over_mean",
+                                 "rate")}
+    rec.update(method="lrmoe_graph", label=f"{eager['label']} graph", agreement=None,
+               status=f"cuda graph failed: {type(err).__name__}: {str(err)[:300]}",
+               fwd_ms=None, bwd_ms=None, fwd_bwd_ms=None, iters=0, peak_bytes=None,
+               phases_ms={})
+    return rec
 
 
 def graph_record(eager: dict, method, inputs, case: Case, device: torch.device, timer,

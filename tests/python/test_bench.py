@@ -399,3 +399,23 @@ def test_cuda_graph_refusals():
         ["--ep", "2", "--cuda-graph"])
     with pytest.raises(ValueError, match="drop them with --ep"):
         run_layer(args, [])
+
+
+def test_a_failed_cuda_graph_row_is_reported_not_fatal(monkeypatch):
+    from lrmoe.bench.cli import _extra, _failed
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(bench_layer_module, "graph_record", boom)
+    case = Case("smoke", 32, "uniform", torch.float32)
+    records = run_case(case, [0.0], ["lrmoe"], torch.device("cpu"), 1, 0, 1, None, 1,
+                       cuda_graph=True)
+    eager, graph = records
+    assert eager["fwd_ms"] > 0 and graph["label"] == "lrmoe c=0 graph"
+    assert graph["fwd_ms"] is None and graph["method"] == "lrmoe_graph"
+    want = "cuda graph failed: RuntimeError: operation not permitted when stream is capturing"
+    assert graph["status"] == want and _failed(graph) == want and _extra(graph) == ""
+    md = markdown(records, {}, [], dict(date="d", device="cpu", command="c", torch="t",
+                                        iters=1))
+    assert "| lrmoe c=0 graph | - | - | - |" in md and want in md
+
