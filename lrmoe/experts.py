@@ -353,7 +353,8 @@ class ExpertFunction(torch.autograd.Function):
         with phase("lrmoe.permute"):
             row_pair_P, pair_row_P, tokens_per_expert_E, offsets_E = ops.permute(
                 expert_ids_TK, num_experts)
-            x_PH = ops.gather_rows(x_TH, row_pair_P, None, top_k)
+            # each token row read once, written to its K rows (= gather by row_pair_P)
+            x_PH = ops.dispatch_rows(x_TH, pair_row_P, None, row_pair_P.shape[0], top_k)
         h_P2I, phi_sq_P, y_PH = expert_forward(x_PH, w_gate_up_E2IH, w_down_EHI, offsets_E)
         with phase("lrmoe.combine"):
             o_TH = ops.combine(y_PH, pair_row_P, weights_TK, top_k)
@@ -397,10 +398,13 @@ class ExpertFunction(torch.autograd.Function):
         if ctx.offload is not None:  # offload: reload only the kept rows of h, compacted
             h_P2I = ctx.offload.load(ctx.h_stored, kept.kept_rows_R, ascending=True)
             h_rows_R = None
-        # compacted buffers: every one has R rows
+        # compacted buffers: every one has R rows. The scatter form of the compaction
+        # gather: each token's g and x row is read once and written to its kept slots
+        # (pair_kept_P is the inverse of kept_pair_R), bit-identical to gathering them
         with phase("lrmoe.compact"):
-            G_RH = ops.gather_rows(g_TH, kept.kept_pair_R, kept.scale_R, top_k)
-            X_RH = ops.gather_rows(x_TH, kept.kept_pair_R, None, top_k)
+            G_RH = ops.dispatch_rows(g_TH, kept.pair_kept_P, kept.scale_R, kept.num_retained,
+                                     top_k)
+            X_RH = ops.dispatch_rows(x_TH, kept.pair_kept_P, None, kept.num_retained, top_k)
         dx_RH, grad_w_gate_up_E2IH, grad_w_down_EHI, buffers = expert_backward(
             G_RH, X_RH, h_P2I, h_rows_R, w_gate_up_E2IH, w_down_EHI, kept.kept_offsets_E)
         with phase("lrmoe.scatter"):

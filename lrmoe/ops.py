@@ -67,6 +67,35 @@ def gather_rows(src: Tensor, index: Tensor, scale: Optional[Tensor] = None,
     return _ops.gather_rows(src, index, scale, divisor)
 
 
+def dispatch_rows(src: Tensor, slot: Tensor, scale: Optional[Tensor], num_rows: int,
+                  top_k: int) -> Tensor:
+    """The scatter form of :func:`gather_rows`: ``out[slot[p]] = scale[slot[p]] *
+    src[p // top_k]`` for every pair ``p`` with ``slot[p] >= 0``.
+
+    With ``slot`` the inverse of a gather index (``slot[index[r]] = r``, -1 elsewhere, e.g.
+    ``pair_row`` of :func:`permute` or ``pair_kept`` of :func:`select`) it equals
+    ``gather_rows(src, index, scale, top_k)`` bit for bit, but reads each source row once
+    instead of once per output row (T C values read instead of R C).
+
+    Args:
+        src: ``(T, C)`` float (fp32, bf16, fp16, fp64), any strides.
+        slot: ``(T * top_k,)`` int32 output row of each pair, or -1 (dropped); every row in
+            ``[0, num_rows)`` named by exactly one pair.
+        scale: optional ``(num_rows,)`` float32 factor per output row (applied in fp32, then
+            rounded to ``src.dtype``).
+        num_rows: R >= 0. top_k: K >= 1.
+
+    Returns:
+        ``(num_rows, C)`` contiguous tensor of ``src.dtype``.
+
+    Raises:
+        RuntimeError: wrong rank/dtype/size, device mismatch, or (CPU) a slot outside
+        ``[-1, num_rows)``, a row named twice or by no pair (on CUDA such a row is left
+        uninitialised; the inputs come from :func:`permute`/:func:`select`).
+    """
+    return _ops.dispatch_rows(src, slot, scale, num_rows, top_k)
+
+
 def combine(y: Tensor, pair_row: Tensor, weights: Optional[Tensor], top_k: int) -> Tensor:
     """Unpermute and weighted-sum: ``out[t] = sum_k weights[t, k] * y[pair_row[t*K + k]]``.
 
@@ -290,6 +319,11 @@ def _(expert_ids, num_experts):
 @_fake("lrmoe::gather_rows")
 def _(src, index, scale, divisor):
     return src.new_empty(index.shape[0], src.shape[1])
+
+
+@_fake("lrmoe::dispatch_rows")
+def _(src, slot, scale, num_rows, top_k):
+    return src.new_empty(num_rows, src.shape[1])
 
 
 @_fake("lrmoe::combine")

@@ -16,6 +16,9 @@ TORCH_LIBRARY(lrmoe, m) {
   m.def("permute(Tensor expert_ids, int num_experts) -> (Tensor, Tensor, Tensor, Tensor)");
   // out[r] = scale[r] * src[index[r] / divisor]; src (N, C), index (R) int32.
   m.def("gather_rows(Tensor src, Tensor index, Tensor? scale, int divisor) -> Tensor");
+  // its scatter form: out[slot[p]] = scale[slot[p]] * src[p / top_k] for slot[p] >= 0;
+  // src (T, C), slot (T*top_k) int32, out (num_rows, C).
+  m.def("dispatch_rows(Tensor src, Tensor slot, Tensor? scale, int num_rows, int top_k) -> Tensor");
   // out[t] = sum_k w[t,k] * y[pair_row[t*K+k]] (row -1 skipped), fp32 accumulation.
   m.def("combine(Tensor y, Tensor pair_row, Tensor? weights, int top_k) -> Tensor");
   // grad_weights[t,k] = <grad_out[t], y[pair_row[t*K+k]]> in fp32 (row -1 gives 0).

@@ -18,7 +18,12 @@
 //             4. one thread per kept slot k: systematic point u_e + k found by
 //             binary search in C_P; 5. a max-scan over slots repairs rounding
 //             glitches so exactly Q_e distinct rows are kept.
-// Then retained_mass by one block (fixed reduction tree, double).
+// R == P (c = 0: every quota is its expert's load): every row is kept, in row
+// order, with scale 1 -- what both pipelines produce then -- written by one
+// pass (keep_all_kernel) instead of the sort and the scans.
+// Then retained_mass: per-block partial sums over a fixed grid-stride split
+// (the grid depends on P and R only), then one block over the partials --
+// a fixed reduction tree in double, spread over the GPU.
 //
 // Scores: NaN ranks below every number for topk and weighs 0 for importance,
 // as do negatives; +inf weighs FLT_MAX; retained_mass propagates NaN.
@@ -250,17 +255,64 @@ __global__ void importance_write_kernel(const uint64_t* __restrict__ point_max_R
   if (pair >= 0 && pair < P) pair_kept_P[pair] = static_cast<int32_t>(s);
 }
 
-// ---------------------------------------------------------------- retained mass
-constexpr int kMassThreads = 1024;
+// ---------------------------------------------------------------- keep all (R == P)
+__global__ void keep_all_kernel(const int32_t* __restrict__ row_pair_P, int64_t P,
+                                int32_t* __restrict__ kept_rows_R,
+                                int32_t* __restrict__ kept_pair_R,
+                                int32_t* __restrict__ pair_kept_P) {
+  const int64_t r = thread_index();
+  if (r >= P) return;
+  const int32_t pair = row_pair_P[r];
+  kept_rows_R[r] = static_cast<int32_t>(r);
+  kept_pair_R[r] = pair;
+  if (pair >= 0 && pair < P) pair_kept_P[pair] = static_cast<int32_t>(r);
+}
 
-__global__ void retained_mass_kernel(const float* __restrict__ score_P, int64_t P,
-                                     const int32_t* __restrict__ kept_rows_R, int64_t R,
-                                     float* __restrict__ mass) {
+// ---------------------------------------------------------------- retained mass
+// One block of 1024 threads read P scores and R gathered ones at the latency of
+// one SM (tens of us at P = 262144); kMassBlocks blocks of partial sums instead.
+constexpr int kMassThreads = 256;
+constexpr int kMassBlocks = 256;  // the final block reduces one partial per thread
+constexpr int64_t kMassPerThread = 8;
+
+// Blocks of the partial pass: enough for ~kMassPerThread items per thread.
+inline int mass_blocks(int64_t P, int64_t R) {
+  const int64_t n = P > R ? P : R;
+  const int64_t b = (n + kMassThreads * kMassPerThread - 1) / (kMassThreads * kMassPerThread);
+  return static_cast<int>(b < 1 ? 1 : (b > kMassBlocks ? kMassBlocks : b));
+}
+
+__global__ void __launch_bounds__(kMassThreads)
+retained_mass_partial_kernel(const float* __restrict__ score_P, int64_t P,
+                             const int32_t* __restrict__ kept_rows_R, int64_t R,
+                             double* __restrict__ partial_2B) {
   using Reduce = cub::BlockReduce<double, kMassThreads>;
   __shared__ typename Reduce::TempStorage tmp;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kMassThreads;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kMassThreads + threadIdx.x;
   double total = 0.0, kept = 0.0;
-  for (int64_t r = threadIdx.x; r < P; r += kMassThreads) total += score_P[r];
-  for (int64_t s = threadIdx.x; s < R; s += kMassThreads) kept += score_P[kept_rows_R[s]];
+  for (int64_t r = first; r < P; r += stride) total += score_P[r];
+  for (int64_t s = first; s < R; s += stride) {
+    const int32_t row = kept_rows_R[s];
+    if (row >= 0 && row < P) kept += score_P[row];
+  }
+  total = Reduce(tmp).Sum(total);
+  __syncthreads();
+  kept = Reduce(tmp).Sum(kept);
+  if (threadIdx.x == 0) {
+    partial_2B[blockIdx.x] = total;
+    partial_2B[gridDim.x + blockIdx.x] = kept;
+  }
+}
+
+__global__ void __launch_bounds__(kMassThreads)
+retained_mass_final_kernel(const double* __restrict__ partial_2B, int blocks,
+                           float* __restrict__ mass) {
+  using Reduce = cub::BlockReduce<double, kMassThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  const int b = threadIdx.x;
+  double total = b < blocks ? partial_2B[b] : 0.0;
+  double kept = b < blocks ? partial_2B[blocks + b] : 0.0;
   total = Reduce(tmp).Sum(total);
   __syncthreads();
   kept = Reduce(tmp).Sum(kept);
@@ -297,7 +349,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
       return cub::DeviceScan::InclusiveSum(tmp, bytes, qc, ko, static_cast<int>(E), stream);
     });
 
-    if (P > 0) {
+    if (P > 0 && R == P) {
+      keep_all_kernel<<<blocks_for(P, T), T, 0, stream>>>(
+          row_pair_P.data_ptr<int32_t>(), P, kept_rows.data_ptr<int32_t>(),
+          kept_pair.data_ptr<int32_t>(), pair_kept.data_ptr<int32_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    } else if (P > 0) {
       at::Tensor key_P = at::empty({P}, score_P.options().dtype(at::kLong));
       at::Tensor sorted_key_P = at::empty({P}, key_P.options());
       at::Tensor row_P = at::empty({P}, i32), sorted_row_P = at::empty({P}, i32);
@@ -359,9 +416,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
       }
     }
   }
-  retained_mass_kernel<<<1, kMassThreads, 0, stream>>>(score_P.data_ptr<float>(), P,
-                                                       kept_rows.data_ptr<int32_t>(), R,
-                                                       retained_mass.data_ptr<float>());
+  const int mass_grid = mass_blocks(P, R);
+  at::Tensor partial_2B = at::empty({2 * mass_grid}, score_P.options().dtype(at::kDouble));
+  retained_mass_partial_kernel<<<mass_grid, kMassThreads, 0, stream>>>(
+      score_P.data_ptr<float>(), P, kept_rows.data_ptr<int32_t>(), R,
+      partial_2B.data_ptr<double>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  retained_mass_final_kernel<<<1, kMassThreads, 0, stream>>>(
+      partial_2B.data_ptr<double>(), mass_grid, retained_mass.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {kept_rows, kept_pair, pair_kept, kept_offsets, kept_scale, retained_mass};
 }

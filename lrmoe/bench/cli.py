@@ -53,6 +53,13 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="LRMoE layer's LRMoEConfig.offload: activations keeps the saved "
                         "expert rows in pinned host memory (report column offload H2D / "
                         "D2H MB); one device")
+    p.add_argument("--profile-dir", default=None, metavar="DIR",
+                   help="write one Chrome trace per method (its profiled forward + "
+                        "backward) and where_time_goes.{md,json} (device ms per kernel, "
+                        "idle gaps and the host ranges they fall in) under DIR")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="also time every LRMoE rate as CUDA-graph replays of forward and "
+                        "backward (rows 'lrmoe c=.. graph'; CUDA only)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny CPU-sized run (CI): shape smoke, 256 tokens, 2 iterations")
     return p
@@ -63,8 +70,8 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
 
     Raises:
         ValueError: ``--tokens`` below 1, ``--tokens`` together with ``--smoke`` (which
-            fixes 256), several torchrun processes without ``--ep``, or ``--offload``
-            with ``--ep``.
+            fixes 256), several torchrun processes without ``--ep``, or ``--offload``,
+            ``--profile-dir`` or ``--cuda-graph`` with ``--ep``.
     """
     if min(args.tokens) < 1:
         raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
@@ -76,6 +83,10 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
         raise ValueError(f"torchrun started {world} processes but --ep is not given: pass "
                          f"--ep {world} for the expert-parallel benchmark (without it every "
                          "process would run the one-device benchmark into the same files)")
+    if args.ep is not None and (args.profile_dir or args.cuda_graph):
+        raise ValueError("--profile-dir and --cuda-graph time the one-device layer; drop "
+                         "them with --ep (the expert-parallel step has collectives between "
+                         "its kernels)")
     if args.smoke:
         args.shapes, args.tokens, args.iters, args.warmup = ["smoke"], [256], 2, 1
         args.transformers_iters, args.rotate = 1, 2
@@ -92,12 +103,14 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
     result = bench_layer(args.shapes, args.tokens, args.routing, args.rates, args.methods,
                          args.device, args.dtype, args.iters, args.warmup, args.rotate,
                          args.transformers_iters, args.trace, args.out, args.append_md,
-                         command, args.offload)
-    print((result["meta"]["device"]) + ": wrote " + args.out + "/layer_bench.{json,md,png}")
+                         command, args.offload, args.profile_dir, args.cuda_graph)
+    print((result["meta"]["device"]) + ": wrote " + args.out + "/layer_bench.{json,md,png}"
+          + (f", {args.profile_dir}/where_time_goes.{{md,json}} and traces"
+             if args.profile_dir else ""))
     for r in result["records"]:
         head = f"{r['shape']:>14} {r['tokens']:>6} {r['routing']:>8} {r['label']:>14} "
         print(head + (f"fwd {r['fwd_ms']:8.2f} ms  bwd {r['bwd_ms']:8.2f} ms"
-                      if r["fwd_ms"] is not None else _failed(r)))
+                      if r["fwd_ms"] is not None else _failed(r)) + _extra(r))
     for t in result["targets"]:
         met = "-" if t["met"] is None else "met" if t["met"] else "MISSED"
         print(f"{'info' if t['info'] else 'target'} {t['target']}: {t['value']:.3f} "
@@ -105,8 +118,24 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
     return result
 
 
+def _extra(r: dict) -> str:
+    """The graph check and, with --profile-dir, the device idle time of each part."""
+    out = ""
+    if "graph_bitwise" in r:
+        out += "  replay == eager bitwise" if r["graph_bitwise"] else (
+            "  replay DIFFERS from eager: " + ", ".join(r["graph_mismatched"]))
+    tg = r.get("time_goes")
+    if tg:
+        out += "  idle/span ms fwd {:.2f}/{:.2f} bwd {:.2f}/{:.2f}".format(
+            tg["forward"]["idle_ms"], tg["forward"]["span_ms"], tg["backward"]["idle_ms"],
+            tg["backward"]["span_ms"])
+    return out
+
+
 def _failed(r: dict) -> str:
     a = r["agreement"]
+    if a is None:  # not an agreement failure (a CUDA-graph row whose capture failed)
+        return r.get("status", "not timed")
     return (f"not timed: disagrees with lrmoe c=0 (output {a['out_rel_err']:.2e}, input "
             f"gradient {a['dx_rel_err']:.2e}, tolerance {a['tolerance']:.0e})")
 

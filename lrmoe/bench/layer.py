@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 from typing import List, Optional, Sequence
 
 import torch
 
 from lrmoe.bench.methods import (build_methods, check_agreement, check_choices,
                                  default_methods, reference_outputs)
+from lrmoe.bench.profile import (CPU_OP_CAT, DEVICE_CATS, load_trace, trace_name,
+                                 where_time_goes)
+from lrmoe.bench.profile import write as write_time_goes
 from lrmoe.bench.report import FAILED, check_targets, markdown, plot, write_reports
 from lrmoe.bench.routing import Case, cases, load_imbalance, make_inputs
 from lrmoe.bench.timing import (PeakMemory, Timer, achieved_rates, kernel_split,
@@ -30,10 +34,15 @@ from lrmoe.offload import OFFLOAD_MODES
 
 def run_case(case: Case, rates: Sequence[float], methods: Sequence[str], device: torch.device,
              iters: int, warmup: int, rotate: int, trace: Optional[str],
-             transformers_iters: int, offload: str = "none") -> List[dict]:
+             transformers_iters: int, offload: str = "none",
+             profile_dir: Optional[str] = None,
+             cuda_graph: bool = False) -> List[dict]:
     """Check and time every method of one case; returns one record per method (see
     :mod:`lrmoe.bench.report` for the fields; ``offload`` as ``LRMoEConfig.offload``
-    of the LRMoE layer)."""
+    of the LRMoE layer), and with ``cuda_graph`` one more record
+    after each LRMoE rate (:func:`graph_record`). ``profile_dir``: write each method's
+    profiled step there as a Chrome trace and add its ``time_goes``
+    (:func:`lrmoe.bench.profile.where_time_goes`) to the record."""
     d = case.dims
     timer = Timer(device)
     inputs = make_inputs(case, device, rotate, trace)
@@ -62,20 +71,93 @@ def run_case(case: Case, rates: Sequence[float], methods: Sequence[str], device:
         rec.update(fwd_ms=statistics.median(fwd), bwd_ms=statistics.median(bwd),
                    iters=n_iter, peak_bytes=mem.peak,
                    phases_ms=phase_times(prof, device.type == "cuda"))
-        if device.type == "cuda":
-            rec.update(kernel_split(prof))
-        if method.layer is not None:
-            st = method.layer.stats
-            rec.update(backward_buffer_bytes=st.buffer_bytes, num_retained=st.num_retained,
-                       num_pairs=st.num_pairs, offload=offload)
-            if st.offload is not None:  # bytes of the last (profiled) step
-                rec.update(offload_d2h_bytes=st.offload.d2h_bytes,
-                           offload_h2d_bytes=st.offload.h2d_bytes)
-        rec["fwd_bwd_ms"] = rec["fwd_ms"] + rec["bwd_ms"]
-        achieved_rates(rec, case)
+        _finish(rec, method, prof, case, device, profile_dir, offload)
         records.append(rec)
+        if cuda_graph and method.layer is not None:
+            try:
+                records.append(graph_record(rec, method, inputs, case, device, timer, warmup,
+                                            iters, profile_dir))
+            except RuntimeError as err:  # a failed capture: report it, keep the other rows
+                records.append(_graph_failed(rec, method, err))
     del built
     return records
+
+
+def _finish(rec: dict, method, prof, case: Case, device: torch.device,
+            profile_dir: Optional[str], offload: str = "none") -> None:
+    """Add kernel split, LRMoE stats (offload bytes of the last, profiled, step),
+    fwd_bwd_ms, achieved rates and (``profile_dir``) the trace and ``time_goes`` of
+    ``prof`` to a timed record."""
+    if device.type == "cuda":
+        rec.update(kernel_split(prof))
+    if method.layer is not None:
+        st = method.layer.stats
+        rec.update(backward_buffer_bytes=st.buffer_bytes, num_retained=st.num_retained,
+                   num_pairs=st.num_pairs, offload=offload)
+        if st.offload is not None:
+            rec.update(offload_d2h_bytes=st.offload.d2h_bytes,
+                       offload_h2d_bytes=st.offload.h2d_bytes)
+    rec["fwd_bwd_ms"] = rec["fwd_ms"] + rec["bwd_ms"]
+    achieved_rates(rec, case)
+    if profile_dir is not None:
+        path = Path(profile_dir) / f"{trace_name(rec)}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+        cats = DEVICE_CATS if device.type == "cuda" else (CPU_OP_CAT,)
+        rec["time_goes"] = where_time_goes(load_trace(path), cats)
+
+
+def _graph_failed(eager: dict, method, err: Exception) -> dict:
+    """The record of a CUDA-graph row whose capture or replay raised: not timed, with
+    ``status`` naming the error."""
+    for p in method.params:
+        p.grad = None
+    rec = {k: eager[k] for k in ("shape", "tokens", "routing", "load_max_over_mean",
+                                 "rate")}
+    rec.update(method="lrmoe_graph", label=f"{eager['label']} graph", agreement=None,
+               status=f"cuda graph failed: {type(err).__name__}: {str(err)[:300]}",
+               fwd_ms=None, bwd_ms=None, fwd_bwd_ms=None, iters=0, peak_bytes=None,
+               phases_ms={})
+    return rec
+
+
+def graph_record(eager: dict, method, inputs, case: Case, device: torch.device, timer,
+                 warmup: int, iters: int, profile_dir: Optional[str]) -> dict:
+    """Time an LRMoE method as CUDA-graph replays (:class:`lrmoe.bench.graph.GraphedStep`).
+
+    Returns a record like the eager one (``method`` ``lrmoe_graph``, label ``lrmoe c=..
+    graph``) with ``graph_bitwise`` (replay == eager step bit for bit on input set 0,
+    output, input and parameter gradients; ``graph_mismatched`` names the others) and
+    ``peak_bytes`` = the peak allocation of warm-up, capture and one replay (the graphs'
+    pool included). No ``phases_ms``: a replay runs no host ranges (its kernels are in
+    ``time_goes``, all under the phase ``(no phase)``).
+
+    Raises:
+        ValueError: off CUDA, or a config a replay would not repeat
+            (:func:`lrmoe.bench.graph.check_capturable`).
+    """
+    from lrmoe.bench.graph import (GraphedStep, capture_profiled, check_capturable,
+                                   graph_matches_eager, time_graph)
+    check_capturable(method.layer.config)
+    rec = {k: eager[k] for k in ("shape", "tokens", "routing", "load_max_over_mean",
+                                 "rate")}
+    rec.update(method="lrmoe_graph", label=f"{eager['label']} graph", agreement=None)
+    with PeakMemory(device) as mem:
+        step = GraphedStep(method.forward, method.params, inputs.xs[0], inputs.ids[0],
+                           inputs.gs[0], capture=False)
+        prof = capture_profiled(step, inputs, device)
+    check = graph_matches_eager(step, method.forward, inputs.xs[0], inputs.ids[0],
+                                inputs.gs[0])
+    fwd, bwd = time_graph(step, inputs, timer, warmup, iters)
+    rec.update(fwd_ms=statistics.median(fwd), bwd_ms=statistics.median(bwd), iters=iters,
+               peak_bytes=mem.peak, phases_ms={}, graph_bitwise=check["bitwise"],
+               graph_mismatched=check["mismatched"])
+    _finish(rec, method, prof, case, device, profile_dir)
+    for p in method.params:  # release the graphs' pool with the graphs
+        p.grad = None
+    del step
+    torch.cuda.empty_cache()
+    return rec
 
 
 def bench_layer(shapes: Sequence[str], tokens: Sequence[int], routings: Sequence[str],
@@ -85,7 +167,8 @@ def bench_layer(shapes: Sequence[str], tokens: Sequence[int], routings: Sequence
                 warmup: int = 5, rotate: int = 3, transformers_iters: int = 3,
                 trace: Optional[str] = None, out_dir: str = "bench-out",
                 append_md: Optional[str] = None, command: str = "",
-                offload: str = "none") -> dict:
+                offload: str = "none", profile_dir: Optional[str] = None,
+                cuda_graph: bool = False) -> dict:
     """Run the benchmark and write ``layer_bench.json``, ``layer_bench.md`` and
     ``layer_bench.png`` under ``out_dir`` (and append the markdown to ``append_md``).
 
@@ -100,24 +183,34 @@ def bench_layer(shapes: Sequence[str], tokens: Sequence[int], routings: Sequence
         trace: routing trace (.npz) for ``trace`` routing.
         offload: ``none`` or ``activations`` (``LRMoEConfig.offload`` of the LRMoE layer;
             the report's ``offload H2D / D2H MB`` column).
+        profile_dir: also write there one Chrome trace per method (its profiled step)
+            and ``where_time_goes.{md,json}`` (:mod:`lrmoe.bench.profile`).
+        cuda_graph: also time each LRMoE rate as CUDA-graph replays
+            (:func:`graph_record`; CUDA only).
 
     Returns:
         dict with ``records``, ``ceilings``, ``targets``, ``meta``.
 
     Raises:
-        ValueError: unknown shape/routing/method/dtype/offload, or ``torchtitan`` asked for
-            where it cannot be imported.
+        ValueError: unknown shape/routing/method/dtype/offload, ``torchtitan`` asked for
+            where it cannot be imported, or ``cuda_graph`` off CUDA.
     """
     if offload not in OFFLOAD_MODES:
         raise ValueError(f"offload must be one of {', '.join(OFFLOAD_MODES)}, got {offload!r}")
     methods = list(methods) if methods is not None else default_methods()
     torch_dtype = check_choices(shapes, methods, dtype)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if cuda_graph and offload != "none":
+        raise ValueError("--cuda-graph with --offload activations: the offload's host copies "
+                         "and side stream are not captured; time them separately")
+    if cuda_graph and dev.type != "cuda":
+        raise ValueError(f"--cuda-graph captures CUDA graphs, but the device is {dev}; "
+                         "run on a GPU (--device cuda) or drop --cuda-graph")
     ceilings = measure_ceilings(dev)
     records: List[dict] = []
     for case in cases(shapes, tokens, routings, torch_dtype, dev):
         records += run_case(case, rates, methods, dev, iters, warmup, rotate, trace,
-                            transformers_iters, offload)
+                            transformers_iters, offload, profile_dir, cuda_graph)
     targets = check_targets(records, ceilings)
     meta = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
                 device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU",
@@ -126,4 +219,6 @@ def bench_layer(shapes: Sequence[str], tokens: Sequence[int], routings: Sequence
     out = write_reports(result, markdown(records, ceilings, targets, meta), out_dir,
                         "layer_bench", append_md)
     plot(records, out / "layer_bench.png")
+    if profile_dir is not None:
+        write_time_goes(records, meta, profile_dir)
     return result

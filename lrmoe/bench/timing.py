@@ -28,6 +28,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from lrmoe.bench.profile import BWD_RANGE, FWD_RANGE
 from lrmoe.bench.routing import Case, Inputs
 from lrmoe.clock import DeviceClock
 
@@ -140,7 +141,8 @@ def kernel_split(prof) -> Dict[str, float]:
     """All device kernels of a profile: ms of GEMM kernels vs other, told by name."""
     gemm = other = 0.0
     for evt in prof.events():
-        if getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA:
+        if (getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA
+                and evt.name not in (FWD_RANGE, BWD_RANGE)):  # whole-part mirrors
             t = evt.device_time / 1e3 if hasattr(evt, "device_time") else evt.cuda_time / 1e3
             # not our own kernels, nor the GPU-side mirrors of the lrmoe.* ranges
             # ("lrmoe.expert_gemm_fwd" spans the GEMM kernels it would count twice)
@@ -184,7 +186,9 @@ def profile_step(method, inputs: Inputs, device: torch.device, split: bool = Fal
     """Profile one forward + backward on input set 0 (the EP bench's byte counts are of
     this step). ``split``: forward and backward in two profiler sessions (so kernels
     found by name are told apart); ``before_each`` runs before each session starts (EP:
-    a barrier). Returns the list of profiles."""
+    a barrier). The forward runs in a ``lrmoe:forward`` range, the backward in a
+    ``lrmoe:backward`` one (the parts of :func:`lrmoe.bench.profile.where_time_goes`).
+    Returns the list of profiles."""
     x = inputs.xs[0].detach().requires_grad_()
 
     def sync():
@@ -192,20 +196,28 @@ def profile_step(method, inputs: Inputs, device: torch.device, split: bool = Fal
             torch.cuda.synchronize()
     if before_each is None:
         before_each = lambda: None  # noqa: E731
+    # the part markers of lrmoe.bench.profile (they name neither a phase nor a kernel)
+    mark_fwd = lambda: torch.profiler.record_function(FWD_RANGE)  # noqa: E731
+    mark_bwd = lambda: torch.profiler.record_function(BWD_RANGE)  # noqa: E731
     if not split:
         before_each()
         with profiled(device) as prof:
-            method.forward(x, inputs.ids[0]).backward(inputs.gs[0])
-            sync()
+            with mark_fwd():
+                out = method.forward(x, inputs.ids[0])
+            with mark_bwd():
+                out.backward(inputs.gs[0])
+                sync()
         return [prof]
     before_each()
     with profiled(device) as prof_fwd:
-        out = method.forward(x, inputs.ids[0])
-        sync()
+        with mark_fwd():
+            out = method.forward(x, inputs.ids[0])
+            sync()
     before_each()
     with profiled(device) as prof_bwd:
-        out.backward(inputs.gs[0])
-        sync()
+        with mark_bwd():
+            out.backward(inputs.gs[0])
+            sync()
     return [prof_fwd, prof_bwd]
 
 
@@ -245,11 +257,11 @@ def achieved_rates(rec: dict, case: Case) -> None:
         rec["gemm_TFLOPs"] = flops / rec["gemm_kernels"] / 1e9
     ph = rec["phases_ms"]
     need = {
-        "permute": p * 8 + p * 8 + 2 * p * h * esize,           # ids, maps, x rows
+        "permute": p * 8 + p * 8 + (t + p) * h * esize,         # ids, maps, x read once
         "combine": p * h * esize + p * 8 + t * h * esize,
         "score": t * h * esize + p * (4 + 4 + 4) + p * 4,
         "select": p * 4 * 3 + r * 4 * 3 + p * 4,
-        "compact": 2 * (2 * r * h * esize),  # G and X rows (h is read in place)
+        "compact": 2 * (t + r) * h * esize,  # g and x read once, G and X written
         "scatter": r * h * esize + p * 4 + t * h * esize,
     }
     rec["phase_GBps"] = {k: v / ph[k] / 1e6 for k, v in need.items() if ph.get(k)}

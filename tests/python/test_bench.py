@@ -215,6 +215,18 @@ def test_targets_come_from_the_data_file(tmp_path):
         load_targets(str(bad))
     assert load_targets()["case"] == dict(shape="qwen3-30b-a3b", tokens=32768,
                                           routing="skewed")
+    # the CUDA-graph rows (--cuda-graph) have targets of their own; c=0.2 graph not run
+    graph = [_rec("lrmoe_graph", 0.0, 3.0, 7.0), _rec("lrmoe_graph", 0.3, 2.0, 6.25),
+             _rec("torchtitan", None, 10.0, 11.0)]
+    rows = {t["target"]: t for t in check_targets(records + graph, {})}
+    expect = {"c=0 graph fwd+bwd ms": (10.0, True), "c=0 graph fwd ms": (3.0, True),
+              "c=0 graph bwd ms": (7.0, True),
+              "torchtitan fwd+bwd / c=0 graph fwd+bwd (speed-up)": (21 / 10, False),
+              "c=0.3 graph fwd+bwd / c=0 graph fwd+bwd": (8.25 / 10, False)}
+    for name, (value, met) in expect.items():
+        assert rows[name]["value"] == pytest.approx(value), name
+        assert (rows[name]["met"], rows[name]["info"]) == (met, True), name
+    assert "c=0.2 graph fwd+bwd / c=0 graph fwd+bwd" not in rows
 
 
 def test_cli_runs_from_an_installed_copy_without_profiler_noise(tmp_path):
@@ -259,3 +271,151 @@ def test_torchtitan_asked_for_but_missing_names_the_install_line(monkeypatch):
     with pytest.raises(ValueError, match="unknown method 'titan'; choose from lrmoe, dropless, "
                                          "transformers, torchtitan"):
         check_choices(["smoke"], ["titan"], "float32")
+
+
+# ----------------------------------------------------------- where the time goes (--profile-dir)
+def _x(name, cat, ts, dur, tid=1, pid=1, corr=None):
+    e = dict(ph="X", name=name, cat=cat, ts=ts, dur=dur, pid=pid, tid=tid, args={})
+    if corr is not None:
+        e["args"]["correlation"] = corr
+    return e
+
+
+def _synthetic_trace():
+    """A hand-made step (us): forward 0-100 and backward 100-300 host ranges; kernels on
+    the device (pid 0) launched from thread 1 (forward) and thread 2 (autograd)."""
+    return [
+        _x("lrmoe:forward", "user_annotation", 0, 100),
+        _x("lrmoe:backward", "user_annotation", 100, 200),
+        _x("lrmoe.router", "user_annotation", 0, 20),
+        _x("lrmoe.permute", "user_annotation", 20, 20),
+        _x("aten::foo", "cpu_op", 45, 15),
+        _x("lrmoe.combine", "user_annotation", 60, 35),
+        _x("lrmoe.score", "user_annotation", 110, 20, tid=2),
+        _x("lrmoe.select", "user_annotation", 140, 15),  # thread 1: not k6's phase
+        _x("cudaLaunchKernel", "cuda_runtime", 5, 1, corr=1),
+        _x("cudaLaunchKernel", "cuda_runtime", 25, 1, corr=2),
+        _x("cudaLaunchKernel", "cuda_runtime", 65, 1, corr=3),
+        _x("cudaLaunchKernel", "cuda_runtime", 115, 1, tid=2, corr=4),
+        _x("cudaMemsetAsync", "cuda_runtime", 120, 1, tid=2, corr=5),
+        _x("cuLaunchKernel", "cuda_driver", 150, 1, tid=2, corr=6),
+        _x("cudaLaunchKernel", "cuda_runtime", 350, 1, corr=7),
+        _x("void a<int>(int*)", "kernel", 10, 10, pid=0, tid=7, corr=1),
+        _x("b", "kernel", 30, 5, pid=0, tid=7, corr=2),
+        _x("void a<float, 4>(float*)", "kernel", 70, 20, pid=0, tid=7, corr=3),
+        _x("c", "kernel", 118, 10, pid=0, tid=7, corr=4),
+        _x("Memset (Device)", "gpu_memset", 125, 10, pid=0, tid=8, corr=5),  # overlaps c
+        _x("d", "kernel", 160, 40, pid=0, tid=7, corr=6),
+        _x("late", "kernel", 400, 5, pid=0, tid=7, corr=7),  # launched after the step
+        _x("lrmoe:forward", "gpu_user_annotation", 10, 80, pid=0, tid=7),  # a mirror
+    ]
+
+
+def test_where_time_goes_on_a_hand_made_trace():
+    from lrmoe.bench.profile import where_time_goes
+    tg = where_time_goes(_synthetic_trace())
+    f, b = tg["forward"], tg["backward"]
+    # forward ops 10-20, 30-35, 70-90: span 80, busy 35, gaps 10 (20-30) and 35 (35-70)
+    assert (f["span_ms"], f["busy_ms"], f["idle_ms"]) == pytest.approx((0.080, 0.035, 0.045))
+    assert (f["num_ops"], f["num_gaps"]) == (3, 2)
+    assert f["kernels"] == [dict(name="a", ms=pytest.approx(0.030), count=2),
+                            dict(name="b", ms=pytest.approx(0.005), count=1)]
+    assert f["phases"] == pytest.approx({"lrmoe.combine": 0.020, "lrmoe.router": 0.010,
+                                         "lrmoe.permute": 0.005})
+    g1, g2 = f["gaps"]
+    assert g1["ms"] == pytest.approx(0.035) and g1["start_ms"] == pytest.approx(0.025)
+    assert (g1["host_range"], g1["before"], g1["after"]) == ("aten::foo", "b", "a")
+    assert (g1["before_phase"], g1["after_phase"]) == ("lrmoe.permute", "lrmoe.combine")
+    assert g2["ms"] == pytest.approx(0.010) and g2["host_range"] == "lrmoe.permute"
+    assert f["idle_by_host_range"] == pytest.approx({"aten::foo": 0.035,
+                                                     "lrmoe.permute": 0.010})
+    # backward ops 118-128, 125-135 (overlapping), 160-200: span 82, busy 57, one gap 25
+    assert (b["span_ms"], b["busy_ms"], b["idle_ms"]) == pytest.approx((0.082, 0.057, 0.025))
+    assert (b["num_ops"], b["num_gaps"]) == (3, 1)
+    assert b["phases"] == pytest.approx({"(no phase)": 0.040, "lrmoe.score": 0.020})
+    (g,) = b["gaps"]
+    assert g["host_range"] == "lrmoe.select" and g["after_phase"] == "(no phase)"
+    assert g["before"] == "Memset"  # kernel_family drops the "(...)"
+    assert f["graph_launches"] == b["graph_launches"] == 0
+    # a graph replay: its kernels correlate to the cudaGraphLaunch inside the part
+    graph = [_x("lrmoe:forward", "user_annotation", 0, 10),
+             _x("lrmoe:backward", "user_annotation", 10, 10),
+             _x("cudaGraphLaunch", "cuda_runtime", 2, 1, corr=9),
+             _x("k1", "kernel", 20, 5, pid=0, corr=9), _x("k2", "kernel", 30, 5, pid=0, corr=9)]
+    tg = where_time_goes(graph)
+    assert tg["forward"]["graph_launches"] == 1 and tg["backward"]["graph_launches"] == 0
+    assert tg["forward"]["num_ops"] == 2 and tg["forward"]["idle_ms"] == pytest.approx(0.005)
+
+
+def test_where_time_goes_needs_the_step_markers():
+    from lrmoe.bench.profile import kernel_family, where_time_goes
+    events = [e for e in _synthetic_trace() if e["name"] != "lrmoe:backward"]
+    with pytest.raises(ValueError, match="no lrmoe:backward range"):
+        where_time_goes(events)
+    assert kernel_family("void at::native::f<float, 4>(float*, int)") == "at::native::f"
+    assert kernel_family("sm90_xmma_gemm_bf16bf16_bf16f32") == "sm90_xmma_gemm_bf16bf16_bf16f32"
+
+
+def test_profile_dir_smoke_writes_traces_and_tables(tmp_path):
+    from lrmoe.bench.profile import load_trace
+    prof = tmp_path / "prof"
+    result = bench_layer(["smoke"], [64], ["uniform"], rates=[0.0], methods=["lrmoe"],
+                         device="cpu", dtype="float32", iters=1, warmup=0, rotate=1,
+                         out_dir=str(tmp_path / "out"), profile_dir=str(prof))
+    (rec,) = result["records"]
+    trace = prof / "smoke_64_uniform_lrmoe-c-0.json"
+    names = {e["name"] for e in load_trace(trace)}
+    assert {"lrmoe:forward", "lrmoe:backward", "lrmoe.select"} <= names
+    for part in ("forward", "backward"):
+        p = rec["time_goes"][part]
+        assert p["num_ops"] > 0 and 0 <= p["idle_ms"] <= p["span_ms"]
+        assert p["busy_ms"] == pytest.approx(p["span_ms"] - p["idle_ms"])
+    data = json.loads((prof / "where_time_goes.json").read_text())
+    assert data["records"][0]["label"] == "lrmoe c=0"
+    assert "#### smoke, 64 tokens, uniform: lrmoe c=0" in (prof / "where_time_goes.md").read_text()
+    # the part markers are no phase and no kernel of the breakdown
+    assert not any(k.startswith(":") for k in rec["phases_ms"])
+
+
+def test_cuda_graph_refusals():
+    from lrmoe import LRMoEConfig
+    from lrmoe.bench.cli import add_layer_arguments, run_layer
+    from lrmoe.bench.graph import check_capturable
+    with pytest.raises(ValueError, match="--cuda-graph captures CUDA graphs, but the device"):
+        bench_layer(["smoke"], [64], ["uniform"], rates=[0.0], methods=["lrmoe"],
+                    device="cpu", dtype="float32", cuda_graph=True)
+    base = dict(hidden_size=8, moe_intermediate_size=4, num_experts=4, top_k=2)
+    check_capturable(LRMoEConfig(**base))  # lrm + topk replays exactly
+    check_capturable(LRMoEConfig(**base, metric="random", selective_backward=False))
+    with pytest.raises(ValueError, match="seed that advances every backward"):
+        check_capturable(LRMoEConfig(**base, metric="random"))
+    with pytest.raises(ValueError, match="seed that advances every backward"):
+        check_capturable(LRMoEConfig(**base, selection="importance"))
+    with pytest.raises(ValueError, match="adaptive rate"):
+        check_capturable(LRMoEConfig(**base, recalibration_rate=0.3,
+                                     retained_mass_target=0.9))
+    import argparse
+    args = add_layer_arguments(argparse.ArgumentParser()).parse_args(
+        ["--ep", "2", "--cuda-graph"])
+    with pytest.raises(ValueError, match="drop them with --ep"):
+        run_layer(args, [])
+
+
+def test_a_failed_cuda_graph_row_is_reported_not_fatal(monkeypatch):
+    from lrmoe.bench.cli import _extra, _failed
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(bench_layer_module, "graph_record", boom)
+    case = Case("smoke", 32, "uniform", torch.float32)
+    records = run_case(case, [0.0], ["lrmoe"], torch.device("cpu"), 1, 0, 1, None, 1,
+                       cuda_graph=True)
+    eager, graph = records
+    assert eager["fwd_ms"] > 0 and graph["label"] == "lrmoe c=0 graph"
+    assert graph["fwd_ms"] is None and graph["method"] == "lrmoe_graph"
+    want = "cuda graph failed: RuntimeError: operation not permitted when stream is capturing"
+    assert graph["status"] == want and _failed(graph) == want and _extra(graph) == ""
+    md = markdown(records, {}, [], dict(date="d", device="cpu", command="c", torch="t",
+                                        iters=1))
+    assert "| lrmoe c=0 graph | - | - | - |" in md and want in md
+

@@ -160,6 +160,8 @@ CASES = [
     (1000, 4, 4, 0.9, None, (), True),
     (513, 16, 16, 1 / 3, "int", (), False),        # top_k = E
     (5000, 1, 1, 0.25, "int", (), False),           # everything on one expert
+    (32768, 8, 128, 0.0, "nan", (3, 77), True),     # c = 0: R = P, the keep-all pass
+    (37, 3, 8, 0.0, "int", (2,), False),
 ]
 
 
@@ -194,6 +196,36 @@ def test_select_cuda_c0_identity_and_seeds(selection):
             out = ops.select(*args, R, selection, seed)
             cpu = ops.select(score, row_pair, offsets, quota, R, selection, seed)
             assert torch.equal(out[0].cpu(), cpu[0]) and torch.equal(out[4].cpu(), cpu[4])
+
+
+@pytest.mark.parametrize("selection", ["topk", "importance"])
+@pytest.mark.parametrize("ties", [None, "nan"])
+def test_select_cuda_keep_all_and_retained_mass_against_float64(selection, ties):
+    """R = P (c = 0) keeps every row in row order with scale 1 (hand-derived: the inverse
+    permutation by argsort), and the retained mass at c = 0 and c = 0.3 is the float64
+    ratio sum(kept scores) / sum(scores) -- P = 262144 with empty experts, and tiny P."""
+    for T, K, E, empty in ((32768, 8, 128, (3, 77)), (5, 2, 4, (1,))):
+        gen = torch.Generator().manual_seed(T + E)
+        for c in (0.0, 0.3):
+            score, row_pair, offsets, quota, R = select_case(gen, T, K, E, c, ties, empty,
+                                                             True)
+            args = [x.to(DEV) for x in (score, row_pair, offsets, quota)]
+            with no_sync():
+                out = [t.cpu() for t in ops.select(*args, R, selection, 5)]
+            kept_rows, kept_pair, pair_kept, kept_offsets, kept_scale, mass = out
+            if c == 0.0:
+                assert R == T * K
+                assert torch.equal(kept_rows, torch.arange(R, dtype=I32))
+                assert torch.equal(kept_pair, row_pair)
+                assert torch.equal(pair_kept, torch.argsort(row_pair.long()).to(I32))
+                assert torch.equal(kept_offsets, offsets)
+                assert torch.equal(kept_scale, torch.ones(R))
+            s64 = score.double()
+            ref = s64[kept_rows.long()].sum() / s64.sum()
+            if torch.isnan(score).any():  # NaN propagates
+                assert torch.isnan(mass), (T, c)
+            else:
+                assert abs(float(mass) - float(ref)) <= 2e-7 * float(ref), (T, c)
 
 
 def test_select_cuda_deterministic():

@@ -149,3 +149,76 @@ def test_cuda_router_logits_and_gradients_bf16():
     assert rel_err(logits, ref) < 1e-5  # exact bf16 products, fp32 sums
     assert rel_err(x.grad, xd.grad) < BF16_TOL
     assert rel_err(w.grad, wd.grad) < BF16_TOL
+
+
+def _graph_case(seed, tokens=2048, hidden=256, experts=32, top_k=8):
+    """bf16 (x, skewed distinct expert ids, output gradient) on CUDA from ``seed``."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    g = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    pop = 1.0 / torch.arange(1, experts + 1, device="cuda", dtype=torch.float32) ** 1.2
+    keys = torch.rand(tokens, experts, device="cuda", generator=gen).log() / pop  # Gumbel-top-k
+    return x, keys.topk(top_k, dim=1).indices, g
+
+
+@pytest.mark.parametrize("c,forced", [(0.0, True), (0.2, True), (0.3, False)])
+def test_cuda_graph_replay_equals_eager_bitwise(c, forced):
+    """Forward + backward captured as CUDA graphs (lrmoe/bench/graph.py) replay the eager
+    layer bit for bit -- output, input gradient, every parameter gradient -- on the
+    capture's inputs and on new inputs copied into the static buffers (so nothing of the
+    capture step is baked in: routing, loads and the kept set change)."""
+    from lrmoe.bench.graph import GraphedStep, eager_step
+    torch.manual_seed(0)
+    cfg = LRMoEConfig(hidden_size=256, moe_intermediate_size=128, num_experts=32, top_k=8,
+                      recalibration_rate=c, shared_expert_intermediate_size=128,
+                      router_z_loss_coef=1e-3)
+    layer = LRMoELayer(cfg).cuda().to(torch.bfloat16)
+    params = list(layer.parameters())
+
+    def forward(x, ids):
+        return layer(x, ids if forced else None)
+    x0, ids0, g0 = _graph_case(1)
+    step = GraphedStep(forward, params, x0, ids0, g0)
+    graph_kept = layer.stats.kept_pair_R  # the static buffer the backward graph writes
+    outs = []
+    for x, ids, g in (_graph_case(1), _graph_case(2)):
+        ref_out, ref_dx, ref_grads = eager_step(forward, params, x, ids, g)
+        ref_kept = layer.stats.kept_pair_R.clone()
+        step.restore_grads()
+        step.load(x, ids, g)
+        step.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(step.out_TH, ref_out) and torch.equal(step.dx_TH, ref_dx)
+        assert torch.equal(graph_kept, ref_kept)
+        assert layer.stats.num_retained == cfg.retained_pairs(2048 * 8)
+        for i, (a, b) in enumerate(zip(step.grads, ref_grads)):
+            assert b is not None and torch.equal(a, b), i
+        outs.append(ref_out)
+    assert not torch.equal(outs[0], outs[1])  # the second input really differs
+
+
+def test_cuda_bench_graph_rows_and_kernel_profile(tmp_path):
+    """``bench layer --cuda-graph --profile-dir`` on the smoke shape: graph rows replay the
+    eager step bitwise; the traces hold the layer's kernels, split forward/backward, with
+    the idle time inside the span."""
+    from lrmoe.bench.layer import bench_layer
+    prof = tmp_path / "prof"
+    result = bench_layer(["smoke"], [512], ["skewed"], rates=[0.0, 0.3], methods=["lrmoe"],
+                         device="cuda", dtype="bfloat16", iters=3, warmup=1, rotate=2,
+                         out_dir=str(tmp_path / "out"), profile_dir=str(prof),
+                         cuda_graph=True)
+    labels = [r["label"] for r in result["records"]]
+    assert labels == ["lrmoe c=0", "lrmoe c=0 graph", "lrmoe c=0.3", "lrmoe c=0.3 graph"]
+    for r in result["records"]:
+        tg = r["time_goes"]
+        for part in ("forward", "backward"):
+            p = tg[part]
+            assert p["num_ops"] > 3 and 0 <= p["idle_ms"] < p["span_ms"], (r["label"], part)
+            assert sum(k["ms"] for k in p["kernels"]) >= p["busy_ms"] - 1e-6
+        if r["method"] == "lrmoe_graph":
+            assert r["graph_bitwise"], r["graph_mismatched"]
+            assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0
+        else:  # eager kernels carry their phase
+            assert "lrmoe.select" in tg["backward"]["phases"]
+            assert "lrmoe.expert_gemm_fwd" in tg["forward"]["phases"]
+    assert len(list(prof.glob("*.json"))) == 5  # 4 traces + where_time_goes.json

@@ -200,6 +200,58 @@ def test_gather_rows_bad_inputs():
 
 
 # ----------------------------------------------------------------------------------
+# dispatch_rows (the scatter form of gather_rows)
+# ----------------------------------------------------------------------------------
+def _kept_slots(g, T, K, R):
+    """A random kept subset of R of the T*K pairs in random slot order: (kept_pair (R,),
+    slot (P,) with slot[kept_pair[r]] = r and -1 elsewhere), both int32."""
+    kept_pair = torch.randperm(T * K, generator=g)[:R]
+    slot = torch.full((T * K,), -1, dtype=torch.int32)
+    slot[kept_pair] = torch.arange(R, dtype=torch.int32)
+    return kept_pair.to(torch.int32), slot
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("with_scale", [False, True])
+@pytest.mark.parametrize("T,K,C,R", [(37, 3, 19, 80), (16, 4, 64, 64), (5, 1, 8, 0)])
+def test_dispatch_rows_is_the_inverse_gather(dtype, with_scale, T, K, C, R):
+    g = case_gen("dispatch", dtype, with_scale, T, K, C, R)
+    src = randn((T, C), dtype, g)
+    kept_pair, slot = _kept_slots(g, T, K, R)
+    scale = (torch.rand(R, generator=g) + 0.5) if with_scale else None
+    out = ops.dispatch_rows(src, slot, scale, R, K)
+    assert out.dtype == dtype and out.shape == (R, C) and out.is_contiguous()
+    want = _ref_gather(src, kept_pair, scale, K)
+    if scale is None:
+        assert torch.equal(out, want.to(dtype))
+    else:
+        tol = 2 * (EPS[dtype] + EPS[torch.float32])
+        torch.testing.assert_close(out.double(), want, rtol=tol, atol=0)
+    # bit for bit the gather it replaces in lrmoe/experts.py
+    assert torch.equal(out, ops.gather_rows(src, kept_pair, scale, K))
+
+
+def test_dispatch_rows_bad_inputs():
+    src = torch.randn(3, 4)
+    slot = torch.tensor([0, -1, 2, 1, -1, -1], dtype=torch.int32)  # T = 3, K = 2, R = 3
+    assert ops.dispatch_rows(src, slot, None, 3, 2).shape == (3, 4)
+    with pytest.raises(RuntimeError, match="slot has 6 entries but src has 3 rows and top_k = 3"):
+        ops.dispatch_rows(src, slot, None, 3, 3)
+    with pytest.raises(RuntimeError, match="slot must be int32"):
+        ops.dispatch_rows(src, slot.long(), None, 3, 2)
+    with pytest.raises(RuntimeError, match=r"slot\[2\] = 2 is outside \[-1, num_rows = 2\)"):
+        ops.dispatch_rows(src, slot, None, 2, 2)
+    with pytest.raises(RuntimeError, match=r"slot\[0\] and slot\[3\] both name row 0"):
+        ops.dispatch_rows(src, torch.tensor([0, -1, 2, 0, -1, 1], dtype=torch.int32), None,
+                          3, 2)
+    with pytest.raises(RuntimeError, match="no pair names output row 3 of num_rows = 4"):
+        ops.dispatch_rows(src, slot, None, 4, 2)
+    with pytest.raises(RuntimeError, match="scale has 2 entries but num_rows is 3"):
+        ops.dispatch_rows(src, slot, torch.ones(2), 3, 2)
+    with pytest.raises(RuntimeError, match="top_k must be >= 1"):
+        ops.dispatch_rows(src, slot, None, 3, 0)
+
+# ----------------------------------------------------------------------------------
 # combine
 # ----------------------------------------------------------------------------------
 def _ref_combine(y, pair_row, weights, K):
