@@ -102,6 +102,8 @@ class MoECore:
         """
         if self.ep_group is not None:  # set_recalibration may have turned it on since
             _refuse_adaptive_rate(config, "LRMoE layer")
+        if self.replicas is not None:
+            self.replicas.recording = torch.is_grad_enabled()
         if self.ep_group is None:
             return ExpertFunction.apply(x_TH, routing.weights_TK, routing.expert_ids_TK,
                                         w_gate_up_E2IH, w_down_EHI, config, self.stats)

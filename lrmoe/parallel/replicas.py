@@ -191,18 +191,26 @@ class ReplicaState:
     """
 
     def __init__(self, placement: Placement, config: LRMoEConfig, experts: nn.Module) -> None:
-        from lrmoe.planner import MemoryModel, ModelShape
-
-        self.placement = placement
         self.experts = experts
-        shape = ModelShape("layer", config.hidden_size, config.moe_intermediate_size,
-                           config.num_experts, config.top_k, 1)
-        budget = placement.memory_budget or UNLIMITED_BUDGET
-        self.memory = MemoryModel.from_shape(shape, budget, placement.resident_bytes)
+        self.set_placement(placement, config)
         self.stats = ReplicaStats(policy=placement.policy)
         self.popularity_E: Optional[List[int]] = None  # symi: the loads its placement uses
         self._loads_since_push: Optional[List[int]] = None
         self._pushed: Optional[_PushedCopies] = None
+        #: set by the layer each call: only training forwards (grad on) feed symi's
+        #: popularity, so evaluation between steps does not move the placement
+        self.recording = True
+
+    def set_placement(self, placement: Placement, config: LRMoEConfig) -> None:
+        """Replace the settings (e.g. measured resident bytes); every rank must do the
+        same (the per-call config check hashes them)."""
+        from lrmoe.planner import MemoryModel, ModelShape
+
+        self.placement = placement
+        shape = ModelShape("layer", config.hidden_size, config.moe_intermediate_size,
+                           config.num_experts, config.top_k, 1)
+        self.memory = MemoryModel.from_shape(shape, placement.memory_budget or UNLIMITED_BUDGET,
+                                             placement.resident_bytes)
 
     # ------------------------------------------------------------------ the plan
     def plan(self, counts_host: List[List[int]], config: LRMoEConfig):
@@ -232,7 +240,7 @@ class ReplicaState:
         """
         plan = self.plan(counts_host, config)
         loads = torch.tensor(counts_host, dtype=torch.int64).sum(0)
-        if self.placement.policy == "symi":
+        if self.placement.policy == "symi" and self.recording:
             more = loads.tolist()
             prev = self._loads_since_push
             self._loads_since_push = more if prev is None else [a + b for a, b in zip(prev, more)]
@@ -408,6 +416,40 @@ def push_replica_weights(model: nn.Module) -> int:
         if isinstance(state, ReplicaState):
             total += state.push(module.config, core.ep_group)
     return total
+
+
+def _states(model_or_layers):
+    items = (model_or_layers.items() if isinstance(model_or_layers, dict)
+             else model_or_layers.named_modules())
+    for name, module in items:
+        state = getattr(getattr(module, "core", None), "replicas", None)
+        if isinstance(state, ReplicaState):
+            yield name, module, state
+
+
+def set_placement(model: nn.Module, placement: Placement) -> None:
+    """Give every EP layer of ``model`` with a policy the settings ``placement`` (the same
+    call on every rank, e.g. after measuring the resident bytes)."""
+    for _, module, state in _states(model):
+        state.set_placement(placement, module.config)
+
+
+def placement_state(layers: Dict[str, nn.Module]) -> Dict[str, Dict[str, object]]:
+    """What a checkpoint keeps of each layer's placement (``{name: {...}}``): symi's
+    popularity and the loads since the last push, so a resumed run plans as the straight
+    one. The pushed copies are not kept: the first forward after a resume fetches."""
+    return {name: {"popularity": state.popularity_E,
+                   "loads_since_push": state._loads_since_push}
+            for name, _, state in _states(layers)}
+
+
+def load_placement_state(layers: Dict[str, nn.Module], saved: Dict[str, Dict[str, object]]
+                         ) -> None:
+    """Restore :func:`placement_state` (layers missing from ``saved`` keep theirs)."""
+    for name, _, state in _states(layers):
+        if name in saved:
+            state.popularity_E = saved[name]["popularity"]
+            state._loads_since_push = saved[name]["loads_since_push"]
 
 
 def placement_metrics(model: nn.Module) -> Dict[str, object]:
