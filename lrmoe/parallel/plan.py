@@ -17,10 +17,13 @@ with no further collective or host sync (docs/algorithm.md section 8):
   of them (:func:`source_shares`), the splits of the gradient and dx all-to-alls, the base
   that turns a source's row position into an arrival row, and the kept offsets.
 
-This is where a placement of expert instances plugs in next: with replicas an expert has
-several instances, the forward split of n[s][e] over them and the backward shares per
-(source, instance) are the plan's to decide, and the exchanges in
-:mod:`lrmoe.parallel.dispatch` only follow the splits.
+With a placement policy (:mod:`lrmoe.parallel.replicas`) an expert has several
+*instances* (owner copy and replicas, :class:`InstanceLayout` from the planner): the
+forward split of n[s][e] over them and the retained rows per (instance, source) cell are
+the planner's, sources send in (destination rank, instance) order, each rank's expert
+core runs its L local instances, and the selection fills each cell's share; the
+exchanges in :mod:`lrmoe.parallel.dispatch` only follow the splits. Without a policy the
+layout is fixed ownership (one instance per expert, every extra permutation the identity).
 """
 from __future__ import annotations
 

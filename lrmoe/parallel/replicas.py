@@ -34,7 +34,8 @@ from torch.profiler import record_function as phase  # names the benchmark's bre
 from lrmoe import ops
 from lrmoe.config import LRMoEConfig
 from lrmoe.parallel.dispatch import all_to_all_rows
-from lrmoe.parallel.plan import InstanceLayout, WeightRoutes, cell_shares, weight_routes
+from lrmoe.parallel.plan import (InstanceLayout, WeightRoutes, cell_shares, h2d,
+                                 weight_routes)
 
 #: the budget when none is given: no memory limit (the plan then only balances)
 UNLIMITED_BUDGET = 1 << 62
@@ -307,10 +308,9 @@ class ReplicaState:
             self.stats.splits["replica_fetch"] = (list(routes.send_splits),
                                                   _copy_bytes(w_gate_up_L2IH, w_down_LHI))
         gu_F, d_F = _unflatten(got_F, w_gate_up_L2IH.shape[1:], w_down_LHI.shape[1:])
-        index = torch.tensor(routes.local_weight_index, dtype=torch.long,
-                             device=w_gate_up_L2IH.device)
         if routes.local_weight_index == list(range(el)):
             return w_gate_up_L2IH, w_down_LHI
+        index = h2d(routes.local_weight_index, torch.long, w_gate_up_L2IH.device)
         return (torch.cat([w_gate_up_L2IH, gu_F]).index_select(0, index),
                 torch.cat([w_down_LHI, d_F]).index_select(0, index))
 
@@ -333,8 +333,7 @@ class ReplicaState:
         flat_L = _flatten(grad_gate_up_L2IH, grad_down_LHI)
         dev = flat_L.device
         with phase("lrmoe.replica_grads"):
-            send = flat_L.index_select(0, torch.tensor(routes.remote_local, dtype=torch.long,
-                                                       device=dev))
+            send = flat_L.index_select(0, h2d(routes.remote_local, torch.long, dev))
             got = all_to_all_rows(send, len(routes.send_local), routes.recv_splits,
                             routes.send_splits, group)
         row_bytes = flat_L.shape[1] * flat_L.element_size()
@@ -346,7 +345,7 @@ class ReplicaState:
             acc[own] = flat_L[pos].to(acc_dtype)
         start = 0
         for n in routes.send_splits:  # one source at a time: each expert once per source
-            idx = torch.tensor(routes.send_local[start:start + n], dtype=torch.long, device=dev)
+            idx = h2d(routes.send_local[start:start + n], torch.long, dev)
             acc.index_add_(0, idx, got[start:start + n].to(acc_dtype))
             start += n
         return _unflatten(acc.to(flat_L.dtype), grad_gate_up_L2IH.shape[1:],
@@ -392,8 +391,7 @@ def exchange_weights(w_gate_up_L2IH: Tensor, w_down_LHI: Tensor, routes: WeightR
         sent).
     """
     flat = _flatten(w_gate_up_L2IH, w_down_LHI)
-    send = flat.index_select(0, torch.tensor(routes.send_local, dtype=torch.long,
-                                             device=flat.device))
+    send = flat.index_select(0, h2d(routes.send_local, torch.long, flat.device))
     got = all_to_all_rows(send, sum(routes.recv_splits), routes.send_splits, routes.recv_splits,
                     group)
     return got, send.shape[0] * flat.shape[1] * flat.element_size()
