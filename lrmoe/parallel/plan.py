@@ -262,15 +262,20 @@ def build_plan(counts_host: List[List[int]], counts_WE: Tensor, rank: int,
             grad_output_splits=grad_output_splits, num_grad_received=num_grad_received,
             grad_base_M=grad_base_M,
             kept_offsets_L=h2d(torch.cumsum(kept_LW.sum(1), 0), torch.int32, dev),
-            layout=layout, weights=weight_routes(layout, rank, el, world))
+            layout=layout, weights=weight_routes(layout, rank, el, world, expert_I))
 
 
-def weight_routes(layout: InstanceLayout, rank: int, num_local_experts: int, world: int
-                  ) -> WeightRoutes:
+def weight_routes(layout: InstanceLayout, rank: int, num_local_experts: int, world: int,
+                  expert_I: Optional[Tensor] = None) -> WeightRoutes:
     """The :class:`WeightRoutes` of this rank for ``layout`` (pure host arithmetic,
-    identical on every rank)."""
+    identical on every rank; ``expert_I``: ``layout.instance_expert()`` if known)."""
     el = num_local_experts
-    expert_I = layout.instance_expert().tolist()
+    expert_I = layout.instance_expert() if expert_I is None else expert_I
+    if bool((layout.instance_rank == expert_I // el).all()):  # fixed ownership: no moves
+        own = list(range(el))
+        return WeightRoutes(own, [], [0] * world, [0] * world, [], list(zip(own, own)),
+                            False)
+    expert_I = expert_I.tolist()
     rank_I = layout.instance_rank.tolist()
     owner_I = [e // el for e in expert_I]
     local = [i for i, r in enumerate(rank_I) if r == rank]
