@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -201,6 +202,7 @@ class ReplicaState:
         #: set by the layer each call: only training forwards (grad on) feed symi's
         #: popularity, so evaluation between steps does not move the placement
         self.recording = True
+        self._warned = False
 
     def set_placement(self, placement: Placement, config: LRMoEConfig) -> None:
         """Replace the settings (e.g. measured resident bytes); every rank must do the
@@ -259,6 +261,13 @@ class ReplicaState:
         rank_I = plan.instance_rank
         s = self.stats
         s.replicas, s.feasible, s.reason = plan.replicas, plan.feasible, plan.reason
+        if not plan.feasible and not self._warned:
+            # the plan is still exact; only the memory model says it may not fit
+            self._warned = True
+            warnings.warn(f"placement policy {self.placement.policy!r}: the plan does not fit "
+                          f"the memory budget ({plan.reason}); running it anyway (exact). Raise "
+                          "--memory-budget, lower --resident-bytes or the batch size, or "
+                          "add --replica-slots", RuntimeWarning, stacklevel=2)
         el = num_local_experts
         s.remote_instances = int((rank_I != layout.instance_expert() // el).sum())
         s.rows_before_W = plan.fixed_rows_W.tolist()

@@ -420,3 +420,38 @@ def test_lrmoe_train_ep4_policy_runs_and_resumes(tmp_path, policy):
         assert all(r["replica_bytes_fetched"] == 0 for r in recs[1:])
     if policy == "fixed":
         assert all(r["replicas"] == 0 and r["replica_bytes_reduced"] == 0 for r in recs)
+
+
+# ------------------------------------------------------------------ host syncs (NCCL)
+def _check_host_syncs(rank, world):
+    import warnings
+
+    cfg = tep._cfg(hidden_size=64, moe_intermediate_size=32, num_experts=4 * world,
+                   top_k=4, recalibration_rate=0.25)
+    for policy in POLICIES:
+        torch.manual_seed(0)
+        ep = LRMoELayer(cfg, ep_group=dist.group.WORLD, policy=policy).to(
+            tep._DEVICE, torch.bfloat16)
+        x = torch.randn(256, 64, dtype=torch.bfloat16, device=tep._DEVICE,
+                        requires_grad=True)
+        ep(x).float().square().sum().backward()  # warm-up
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as fwd:
+                warnings.simplefilter("always")
+                loss = ep(x).float().square().sum()
+            with warnings.catch_warnings(record=True) as bwd:
+                warnings.simplefilter("always")
+                loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        fwd = [str(w.message) for w in fwd if "synchroniz" in str(w.message)]
+        bwd = [str(w.message) for w in bwd if "synchroniz" in str(w.message)]
+        # the plan is host C++ on the exchanged counts: still the one sync of the dispatch
+        assert len(fwd) == 1 and bwd == [], (policy, fwd, bwd)
+
+
+@pytest.mark.parametrize("backend,world", tep._backends([], (1, 2)))
+def test_policies_add_no_host_sync(backend, world):
+    tep._spawn(_check_host_syncs, backend, world)
