@@ -232,6 +232,10 @@ def _check_case(rank, world, policy, mode, c, seen):
     # the plan, independently: same counts, same settings
     plan_ = planner_plan(counts, policy, _memory(budget), recalibration_rate=c)
     kept_IW = _cells(plan_, counts, policy, c)
+    _check_bytes(placed, plan_, kept_IW, rank, world, el, what)
+    seen[policy] = seen.get(policy, 0) + plan_.replicas
+    if c == 0:   # compared with the single process above
+        return
     with torch.no_grad():
         routing = ref.gate(x, ids)
     gwgu, gwd, dx_expert = _reference(x, w_out, routing.weights_TK.double(), ids,
@@ -244,6 +248,9 @@ def _check_case(rank, world, policy, mode, c, seen):
             want.abs().max())), msg=what)
     assert placed.stats.num_retained == int(kept_IW[:, rank].sum()), what
 
+
+def _check_bytes(placed, plan_, kept_IW, rank, world, el, what):
+    E = len(plan_.instance_offsets) - 1
     st = placed.core.replicas.stats
     per = _predicted_splits(plan_, kept_IW, rank, world, el)
     row = H * 8
@@ -261,7 +268,6 @@ def _check_case(rank, world, policy, mode, c, seen):
     assert st.bytes["weights_fetched"] == sum(per["replica_fetch"]) * copy, what
     assert st.bytes["grads_reduced"] == sum(per["replica_grads"]) * copy, what
     assert st.replicas == plan_.replicas, what
-    seen[policy] = seen.get(policy, 0) + plan_.replicas
 
 
 def _check_policies(rank, world, cs, modes):
@@ -333,8 +339,6 @@ def _check_push(rank, world):
             assert st.splits["replica_push"] == (per["replica_fetch"], copy)
 
 
-def test_symi_push_after_optimizer_step():
-    tep._spawn(_check_push, "gloo", 2)
 
 
 # ---------------------------------------------------------------- settings checks
@@ -355,8 +359,13 @@ def _check_mismatch(rank, world):
     layer(torch.randn(5, H, dtype=torch.float64)).sum().backward()   # still usable
 
 
-def test_mismatched_placement_fails_fast():
-    tep._spawn(_check_mismatch, "gloo", 2)
+def _check_push_and_mismatch(rank, world):
+    _check_push(rank, world)
+    _check_mismatch(rank, world)
+
+
+def test_symi_push_after_optimizer_step_and_mismatched_placement_fails_fast():
+    tep._spawn(_check_push_and_mismatch, "gloo", 2)
 
 
 def test_placement_settings_are_checked():
