@@ -107,6 +107,36 @@ class Placement:
         return repr(dataclasses.astuple(self))
 
 
+def placement_from_config(parallel: Any, resident_bytes: int = 0) -> Optional[Placement]:
+    """The :class:`Placement` of ``lrmoe train``'s ``parallel`` section (fields
+    ``policy``, ``memory_budget`` (int or size text), ``resident_bytes`` (None:
+    ``resident_bytes`` given here stands in), ``replica_slots``); None without a policy.
+
+    Raises:
+        ValueError: an invalid value, naming the ``parallel.*`` field.
+    """
+    from lrmoe.planner import parse_bytes
+
+    if parallel.policy is None:
+        return None
+    if parallel.policy not in POLICIES:
+        raise ValueError(f"parallel.policy must be one of {', '.join(POLICIES)}; got "
+                         f"{parallel.policy!r}")
+    budget = parallel.memory_budget
+    try:
+        budget = None if budget is None else parse_bytes(budget)
+    except ValueError as err:
+        raise ValueError(f"parallel.memory_budget: {err}") from None
+    resident = parallel.resident_bytes
+    try:
+        return Placement(parallel.policy, budget,
+                         int(resident if resident is not None else resident_bytes),
+                         int(parallel.replica_slots))
+    except ValueError as err:
+        raise ValueError(f"parallel: {err} (--memory-budget, --resident-bytes, "
+                         "--replica-slots)") from None
+
+
 def measured_resident_bytes(device: torch.device, group=None) -> int:
     """``torch.cuda.memory_allocated`` on ``device``, maximised over ``group`` (a
     collective when a group is given) so every rank plans with the same number; 0 on

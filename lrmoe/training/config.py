@@ -280,15 +280,12 @@ class ParallelConfig:
             parallel, each rank builds and trains on its own batches (a step sees
             N * batch_size sequences); rank 0 writes the run files and rank r > 0 its own
             (expert shards in its checkpoints) to ``out_dir/ep-rank-r``.
-        policy: placement of expert instances under EP (``--policy``; README "Placement
-            policies and replicas"): ``fixed``, ``ultraep``, ``symi`` or ``lrmoe``; None
-            (default): fixed ownership without the planner.
-        memory_budget: per-GPU bytes the plan must fit (``--memory-budget 80GiB``; an int
-            or a size text); None: no limit.
-        resident_bytes: bytes outside the MoE layers' experts and token buffers
-            (``--resident-bytes``); None: measured with ``torch.cuda.memory_allocated``
-            after the model is on the GPU (max over ranks), 0 on the CPU.
-        replica_slots: spare expert slots per rank (``--replica-slots``).
+        policy, memory_budget, resident_bytes, replica_slots: placement of expert
+            instances under EP (``--policy fixed|ultraep|symi|lrmoe``, ``--memory-budget
+            80GiB``: an int or a size text, ``--resident-bytes``: None measures
+            ``torch.cuda.memory_allocated`` on the GPU, 0 on the CPU, ``--replica-slots``;
+            :func:`lrmoe.parallel.replicas.placement_from_config`; README "Placement
+            policies and replicas"); policy None: fixed ownership without the planner.
     """
 
     ep_size: int = 1
@@ -299,39 +296,15 @@ class ParallelConfig:
 
     def validate(self) -> None:
         """Raises ValueError naming the ``parallel.*`` field on an invalid value."""
-        from lrmoe.planner import POLICIES, parse_bytes
+        from lrmoe.parallel.replicas import placement_from_config
 
         _int("parallel.ep_size", self.ep_size, 1)
-        if self.policy is not None:
-            _choice("parallel.policy", self.policy, POLICIES)
         _int("parallel.resident_bytes", self.resident_bytes, 0, optional=True)
         _int("parallel.replica_slots", self.replica_slots, 0)
-        if self.memory_budget is not None:
-            try:
-                budget = parse_bytes(self.memory_budget)
-            except ValueError as err:
-                raise ValueError(f"parallel.memory_budget: {err}") from None
-            if budget <= (self.resident_bytes or 0):
-                raise ValueError(f"parallel.memory_budget={self.memory_budget!r} must exceed "
-                                 f"parallel.resident_bytes={self.resident_bytes}")
-        if self.policy == "ultraep" and self.replica_slots < 1:
-            raise ValueError("parallel.policy=ultraep needs parallel.replica_slots >= 1 "
-                             "(--replica-slots 2)")
         if self.policy is not None and self.ep_size < 2:
             raise ValueError(f"parallel.policy={self.policy} places experts over ranks; it "
                              f"needs parallel.ep_size >= 2 (--ep N), got {self.ep_size}")
-
-    def placement(self, resident_bytes: int = 0):
-        """The :class:`lrmoe.parallel.replicas.Placement` of these settings (None without
-        a policy); ``resident_bytes`` stands in where :attr:`resident_bytes` is None."""
-        from lrmoe.parallel.replicas import Placement
-        from lrmoe.planner import parse_bytes
-
-        if self.policy is None:
-            return None
-        budget = None if self.memory_budget is None else parse_bytes(self.memory_budget)
-        resident = self.resident_bytes if self.resident_bytes is not None else resident_bytes
-        return Placement(self.policy, budget, int(resident), int(self.replica_slots))
+        placement_from_config(self)  # the policy, budget and slots, named as parallel.*
 
 
 @dataclass

@@ -202,6 +202,7 @@ class Trainer:
     def _setup(self) -> None:
         from lrmoe.data import load_data
         from lrmoe.integrations.transformers import patch_moe_blocks
+        from lrmoe.parallel.replicas import placement_from_config
 
         cfg = self.cfg
         import transformers
@@ -249,7 +250,8 @@ class Trainer:
 
         self.model = self._build_model()
         patched = patch_moe_blocks(self.model, ep_group=self.group,
-                                   policy=cfg.parallel.placement(), **cfg.lrmoe_settings)
+                                   policy=placement_from_config(cfg.parallel),
+                                   **cfg.lrmoe_settings)
         if not patched:
             raise ValueError(f"the model ({type(self.model).__name__}) has no sparse-MoE block "
                              "that lrmoe can replace")
@@ -269,8 +271,8 @@ class Trainer:
         if cfg.parallel.policy is not None and cfg.parallel.resident_bytes is None:
             # the planner's resident bytes: measured once, the same on every rank
             from lrmoe.parallel.replicas import measured_resident_bytes, set_placement
-            set_placement(self.model, cfg.parallel.placement(
-                measured_resident_bytes(self.device, self.group)))
+            set_placement(self.model, placement_from_config(
+                cfg.parallel, measured_resident_bytes(self.device, self.group)))
         self.moe_timer = make_timer(cfg.run.time_moe, self.model, self.device)
         self.aux_coef = float(getattr(self.model.config, "router_aux_loss_coef", 0.0) or 0.0)
         self.optimizer, self.scheduler = build_optimizer(cfg.optim, self.model, self.device,
