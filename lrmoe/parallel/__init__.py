@@ -47,7 +47,9 @@ sync), ``lrmoe.select`` (the plan's quotas and shares, on the host), ``lrmoe.a2a
 side band), ``lrmoe.combine``; backward ``lrmoe.router_grad``, ``lrmoe.score``,
 ``lrmoe.select`` (selection), ``lrmoe.compact`` (gathers of kept rows on both sides),
 ``lrmoe.a2a_grad`` (G rows + int32 positions), ``lrmoe.expert_gemm_bwd``, ``lrmoe.a2a_dx``,
-``lrmoe.scatter``. Ranges add no host syncs.
+``lrmoe.scatter``; with a placement policy also ``lrmoe.plan`` (the planner call),
+``lrmoe.replica_fetch`` (forward), ``lrmoe.replica_grads`` (backward) and
+``lrmoe.replica_push`` (:func:`push_replica_weights`). Ranges add no host syncs.
 
 All-to-all bytes (``stats.a2a_bytes``, per rank, for the last step): bytes this rank SENDS
 into each collective, counting the rows it sends to itself (a local copy on NCCL):
