@@ -62,6 +62,17 @@ def _add_train_parser(sub: Any) -> None:
     p.add_argument("--ep", type=int, metavar="N", dest="ep_size",
                    help="expert-parallel size; run under torchrun --nproc-per-node N "
                         "(config key parallel.ep_size)")
+    p.add_argument("--policy", choices=("fixed", "ultraep", "symi", "lrmoe"),
+                   help="placement of expert instances under --ep (replicas; "
+                        "parallel.policy); default: fixed ownership without the planner")
+    p.add_argument("--memory-budget", metavar="SIZE", dest="memory_budget",
+                   help="per-GPU bytes the placement plan must fit, e.g. 80GiB "
+                        "(parallel.memory_budget; default: no limit)")
+    p.add_argument("--resident-bytes", type=int, metavar="N", dest="resident_bytes",
+                   help="bytes outside the MoE experts and token buffers (parallel."
+                        "resident_bytes; default: measured on the GPU, 0 on the CPU)")
+    p.add_argument("--replica-slots", type=int, metavar="R", dest="replica_slots",
+                   help="spare expert slots per rank for replicas (parallel.replica_slots)")
     p.add_argument("--tensorboard", action="store_true", default=None,
                    help="also write the metrics as TensorBoard scalars to OUT/tensorboard "
                         "(run.tensorboard)")
@@ -186,7 +197,9 @@ def _train_overrides(args: argparse.Namespace) -> Dict[str, Any]:
             "data": args.data, "tokenizer": args.tokenizer, "init_from": args.init_from,
             "out_dir": args.out_dir, "device": args.device, "record_trace": args.record_trace,
             "ep_size": args.ep_size, "tensorboard": args.tensorboard,
-            "time_moe": args.time_moe}
+            "time_moe": args.time_moe, "policy": args.policy,
+            "memory_budget": args.memory_budget, "resident_bytes": args.resident_bytes,
+            "replica_slots": args.replica_slots}
 
 
 def _cmd_train(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ from lrmoe.config import LRMoEConfig
 from lrmoe.experts import BackwardStats, ExpertFunction
 from lrmoe.parallel import (ExpertParallelFunction, announce_failure,
                             check_config_across_ranks, shard_experts)
+from lrmoe.parallel.replicas import Placement, ReplicaState
 from lrmoe.router import Router, Routing, router_losses
 
 
@@ -48,21 +49,33 @@ class MoECore:
             (:func:`lrmoe.parallel.shard_experts`).
         ep_group: ``torch.distributed`` group for expert parallelism, or None.
         where: the layer's name for error messages.
+        policy: placement under EP (:class:`lrmoe.parallel.replicas.Placement`, a policy
+            name or a dict of its fields), or None: fixed ownership without the planner.
 
     Raises:
-        ValueError: ranks of ``ep_group`` with different MoE configurations, or E not
-            divisible by the EP size.
+        ValueError: ranks of ``ep_group`` with different MoE configurations or
+            placements, E not divisible by the EP size, a policy without ``ep_group``,
+            or an invalid placement field.
 
     Attributes:
         ep_group: as given. stats: :class:`BackwardStats` of the last step.
+        replicas: the :class:`lrmoe.parallel.replicas.ReplicaState` (None without a
+            policy); ``replicas.stats`` has the last call's plan and replica bytes.
     """
 
     def __init__(self, config: LRMoEConfig, experts: nn.Module, ep_group=None,
-                 where: str = "LRMoELayer") -> None:
+                 where: str = "LRMoELayer", policy=None) -> None:
         self.ep_group = ep_group
         self.stats = BackwardStats()
+        placement = Placement.coerce(policy)
+        if placement is not None and ep_group is None:
+            raise ValueError(f"{where}: policy={placement.policy!r} places expert instances "
+                             "over an expert-parallel group; pass ep_group too (or "
+                             "policy=None on one device)")
+        self.replicas = (None if placement is None
+                         else ReplicaState(placement, config, experts))
         if ep_group is not None:
-            check_config_across_ranks(config, ep_group)
+            check_config_across_ranks(config, ep_group, placement)
             _refuse_adaptive_rate(config, where)
             shard_experts(experts, config.num_experts, ep_group, where)
 
@@ -75,7 +88,7 @@ class MoECore:
             yield
         except Exception:
             if self.ep_group is not None:
-                announce_failure(config, self.ep_group)
+                announce_failure(config, self.ep_group, 0 if self.replicas is None else 1)
             raise
 
     def run_experts(self, config: LRMoEConfig, x_TH: Tensor, routing: Routing,
@@ -91,12 +104,14 @@ class MoECore:
             _refuse_adaptive_rate(config, "LRMoE layer")
         if config.offload != "none" and not torch.is_grad_enabled():
             config = config.replace(offload="none")  # no backward follows: keep nothing
+        if self.replicas is not None:
+            self.replicas.recording = torch.is_grad_enabled()
         if self.ep_group is None:
             return ExpertFunction.apply(x_TH, routing.weights_TK, routing.expert_ids_TK,
                                         w_gate_up_E2IH, w_down_EHI, config, self.stats)
         return ExpertParallelFunction.apply(x_TH, routing.weights_TK, routing.expert_ids_TK,
                                             w_gate_up_E2IH, w_down_EHI, config, self.stats,
-                                            self.ep_group)
+                                            self.ep_group, self.replicas)
 
     @staticmethod
     def add_shared(out_TH: Tensor, x_TH: Tensor, shared: Optional[nn.Module],
@@ -312,9 +327,13 @@ class MoELayerBase(nn.Module):
         retained mass, max/mean load before and after recalibration, buffer bytes.
 
         Synchronises with the device; call it when logging, not every micro-step.
-        See :meth:`lrmoe.experts.BackwardStats.summary` for the keys.
+        See :meth:`lrmoe.experts.BackwardStats.summary` for the keys; with a placement
+        policy also :meth:`lrmoe.parallel.replicas.ReplicaStats.summary`'s.
         """
-        return self.stats.summary()
+        out = self.stats.summary()
+        if self.core.replicas is not None:
+            out.update(self.core.replicas.stats.summary())
+        return out
 
 
 class SwiGLUMLP(nn.Module):
@@ -373,10 +392,16 @@ class LRMoELayer(MoELayerBase):
             backward is selected on the token-owner rank before the gradient all-to-all.
             Constructing and every forward/backward are collectives over the group.
             None: one device.
+        policy: placement of expert instances under EP (README "Placement policies and
+            replicas"): ``"fixed"``, ``"ultraep"``, ``"symi"``, ``"lrmoe"``, a dict of
+            :class:`lrmoe.parallel.replicas.Placement` fields (budget, resident bytes,
+            slots) or a Placement. Every call plans with ``lrmoe.planner`` on the
+            exchanged counts and runs each pair on the instance the plan gives it;
+            outputs equal the layer without a policy. None: fixed ownership, no planner.
 
     Raises:
-        ValueError: E not divisible by the EP size, or ranks of ``ep_group`` with
-            different MoE configurations.
+        ValueError: E not divisible by the EP size, ranks of ``ep_group`` with
+            different MoE configurations or placements, a policy without ``ep_group``.
 
     Attributes:
         gate: :class:`Router` (``gate.weight`` (E, H)).
@@ -386,7 +411,7 @@ class LRMoELayer(MoELayerBase):
         aux_loss, router_logits, stats, trace: see :class:`MoELayerBase`.
     """
 
-    def __init__(self, config: LRMoEConfig, ep_group=None) -> None:
+    def __init__(self, config: LRMoEConfig, ep_group=None, policy=None) -> None:
         super().__init__(config)
         self.gate = Router(config)
         self.experts = RoutedExperts(config)
@@ -397,7 +422,7 @@ class LRMoELayer(MoELayerBase):
                                            config.shared_expert_intermediate_size)
             if config.shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
-        self.core = MoECore(config, self.experts, ep_group)
+        self.core = MoECore(config, self.experts, ep_group, policy=policy)
 
     def set_recalibration(self, **changes) -> None:
         """Change planned-backward settings (e.g. ``recalibration_rate=0.2``) in place.

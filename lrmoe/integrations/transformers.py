@@ -154,6 +154,7 @@ class TransformersMoELayer(MoELayerBase):
         layer_index: position among the model's MoE blocks (0-based); offsets the seed.
         ep_group: optional ``torch.distributed`` group: keep this rank's E / W experts
             (a collective; see :mod:`lrmoe.parallel`).
+        policy: placement under EP, as :class:`lrmoe.layer.LRMoELayer`'s ``policy``.
 
     Raises:
         ValueError: under EP, E not divisible by the EP size or ranks with different
@@ -174,7 +175,7 @@ class TransformersMoELayer(MoELayerBase):
     _cast_output_to_input = True
 
     def __init__(self, block: nn.Module, family: _Family, config: LRMoEConfig,
-                 layer_index: int, ep_group: Any = None) -> None:
+                 layer_index: int, ep_group: Any = None, policy: Any = None) -> None:
         super().__init__(config)
         for name, param in block._parameters.items():
             self.register_parameter(name, param)
@@ -190,7 +191,7 @@ class TransformersMoELayer(MoELayerBase):
         # under EP: this rank's contiguous slice of the experts; the router and everything
         # else stay whole (data parallel)
         self.core = MoECore(config, self.experts, ep_group,
-                            where=f"{self.model_type} layer {layer_index}")
+                            where=f"{self.model_type} layer {layer_index}", policy=policy)
 
     def _route(self, x_TH: Tensor, expert_ids: Optional[Tensor]) -> Tuple[Tensor, Routing]:
         if expert_ids is not None:
@@ -348,7 +349,7 @@ def _find_blocks(model: nn.Module) -> Tuple[List[Tuple[str, nn.Module, _Family]]
 
 # ------------------------------------------------------------------------------- public
 def patch_moe_blocks(model: nn.Module, settings: Any = None, /, *, ep_group: Any = None,
-                     **overrides: Any) -> List[Tuple[str, TransformersMoELayer]]:
+                     policy: Any = None, **overrides: Any) -> List[Tuple[str, TransformersMoELayer]]:
     """Replace every sparse-MoE block of a transformers model by an LRMoE layer, in place.
 
     Each replacement holds the block's own modules and parameters (no copies) under the
@@ -371,6 +372,9 @@ def patch_moe_blocks(model: nn.Module, settings: Any = None, /, *, ep_group: Any
         ep_group: optional ``torch.distributed`` group for expert parallelism
             (:mod:`lrmoe.parallel`): each layer keeps only this rank's E / W experts (a
             collective over the group; every rank must patch the same model).
+        policy: placement of expert instances under EP for every layer (a policy name,
+            a dict of :class:`lrmoe.parallel.replicas.Placement` fields or a Placement;
+            see :class:`lrmoe.layer.LRMoELayer`); None: fixed ownership, no planner.
 
     Returns:
         ``[(module name, layer), ...]`` in model order, e.g.
@@ -415,7 +419,7 @@ def patch_moe_blocks(model: nn.Module, settings: Any = None, /, *, ep_group: Any
                 f"patch_moe_blocks: block {name!r} has forward hooks (e.g. from accelerate "
                 "or a profiler) that would be lost; patch the model before adding them")
         config = _layer_config(name, block, family, model, chosen, index)
-        layer = TransformersMoELayer(block, family, config, index, ep_group)
+        layer = TransformersMoELayer(block, family, config, index, ep_group, policy)
         layer.train(block.training)
         layers.append((name, layer))
     for name, layer in layers:

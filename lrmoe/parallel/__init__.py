@@ -14,6 +14,10 @@ Modules, in data-flow order:
   of one layer call, computed once from the exchanged counts;
 * :mod:`~lrmoe.parallel.dispatch` -- the exchanges: counts, dispatch, combine, gradient
   rows, dx;
+* :mod:`~lrmoe.parallel.replicas` -- placement policies executed: the planner's layout per
+  call, replica weights fetched (``ultraep``, ``lrmoe``) or pushed after the optimizer
+  step (``symi``, :func:`push_replica_weights`), replica gradients summed into the owner,
+  the bytes moved;
 * :mod:`~lrmoe.parallel.function` -- :class:`ExpertParallelFunction`, the autograd;
 * :mod:`~lrmoe.parallel.data_parallel` -- expert sharding, the non-expert gradient
   all-reduce, the global clip and per-rank checkpoints.
@@ -43,13 +47,16 @@ sync), ``lrmoe.select`` (the plan's quotas and shares, on the host), ``lrmoe.a2a
 side band), ``lrmoe.combine``; backward ``lrmoe.router_grad``, ``lrmoe.score``,
 ``lrmoe.select`` (selection), ``lrmoe.compact`` (gathers of kept rows on both sides),
 ``lrmoe.a2a_grad`` (G rows + int32 positions), ``lrmoe.expert_gemm_bwd``, ``lrmoe.a2a_dx``,
-``lrmoe.scatter``. Ranges add no host syncs.
+``lrmoe.scatter``; with a placement policy also ``lrmoe.plan`` (the planner call),
+``lrmoe.replica_fetch`` (forward), ``lrmoe.replica_grads`` (backward) and
+``lrmoe.replica_push`` (:func:`push_replica_weights`). Ranges add no host syncs.
 
 All-to-all bytes (``stats.a2a_bytes``, per rank, for the last step): bytes this rank SENDS
 into each collective, counting the rows it sends to itself (a local copy on NCCL):
 ``forward_dispatch`` = P H s (s = element size: every local pair's x row),
 ``forward_combine`` = N (H s + 4) (y row + fp32 phi_sq of every row it received),
-``counts`` = (E + 1) 8 W (its int64 counts + config hash, all_gathered to W ranks),
+``counts`` = (E + 1) 8 W (its int64 counts + config hash, all_gathered to W ranks; one
+more int64 slot with a placement policy),
 ``backward_grad`` = R H s (kept rows of G), ``backward_index`` = 4 R (their int32
 positions), ``backward_dx`` = M H s (dX of the M kept rows its experts received).
 """
@@ -62,10 +69,14 @@ from lrmoe.parallel.function import ExpertParallelFunction
 from lrmoe.parallel.group import (FAILED, announce_failure, check_config_across_ranks,
                                   comm_device, config_hash, config_summary,
                                   init_torchrun_group, raise_on_mismatch)
-from lrmoe.parallel.plan import DispatchPlan, build_plan, source_shares
+from lrmoe.parallel.plan import DispatchPlan, InstanceLayout, build_plan, source_shares
+from lrmoe.parallel.replicas import (Placement, ReplicaState, placement_metrics,
+                                     push_replica_weights)
 
 __all__ = [
     "EXPERT_PARAM_ATTR", "FAILED", "DispatchPlan", "ExpertParallelFunction",
+    "InstanceLayout", "Placement", "ReplicaState", "placement_metrics",
+    "push_replica_weights",
     "allreduce_non_expert_grads", "announce_failure", "build_plan",
     "check_config_across_ranks", "clip_grad_norm_", "combine", "combine_dx", "comm_device",
     "config_hash", "config_summary", "dispatch", "dispatch_grads", "exchange_counts",

@@ -14,7 +14,7 @@ go to the experts, which find the matching saved rows) -> expert core -> :func:`
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Any, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,8 @@ from lrmoe.parallel.plan import DispatchPlan, h2d, inverse_permutation
 
 
 def exchange_counts(tokens_per_expert_E: Tensor, config: LRMoEConfig, group,
-                    dtype: torch.dtype) -> Tuple[List[List[int]], Tensor]:
+                    dtype: torch.dtype, placement: Any = None, flag: int = 0
+                    ) -> Tuple[List[List[int]], Tensor, List[int]]:
     """All-gather every rank's routed counts, with the config hash riding along
     (``lrmoe.a2a_counts`` range; fails fast on ``set_recalibration`` drift).
 
@@ -38,10 +39,14 @@ def exchange_counts(tokens_per_expert_E: Tensor, config: LRMoEConfig, group,
         tokens_per_expert_E: (E,) int32 this rank's routed pairs per expert.
         config: this rank's layer config (hashed with the EP size and ``dtype``).
         dtype: the compute dtype of the expert inputs.
+        placement: the layer's :class:`lrmoe.parallel.replicas.Placement` (hashed too),
+            or None. With one, an int64 ``flag`` per rank rides along as well (whether
+            its pushed replica copies are fresh), so every rank learns all flags without
+            another collective.
 
     Returns:
         (counts_host: W lists of E ints n[s][e], counts_WE: (W, E) int64 on the device of
-        ``tokens_per_expert_E``).
+        ``tokens_per_expert_E``, flags: the W flags, [] without a placement).
 
     Raises:
         RuntimeError: another rank announced a failure before the dispatch.
@@ -49,24 +54,31 @@ def exchange_counts(tokens_per_expert_E: Tensor, config: LRMoEConfig, group,
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     dev = tokens_per_expert_E.device
+    extra = [] if placement is None else [int(flag)]
     with phase("lrmoe.a2a_counts"):
-        meta = torch.cat([tokens_per_expert_E.long(),
-                          h2d([config_hash(config, world, dtype)], torch.int64, dev)])
+        meta = torch.cat([tokens_per_expert_E.long(), h2d(
+            extra + [config_hash(config, world, dtype, placement)], torch.int64, dev)])
         meta_comm = meta.to(comm_device(group))
         got = [torch.empty_like(meta_comm) for _ in range(world)]
         dist.all_gather(got, meta_comm, group=group)
         meta_WE1 = torch.stack(got).to(dev)
         meta_host = meta_WE1.tolist()  # the one host sync of the dispatch
-    raise_on_mismatch([row[-1] for row in meta_host], config, world, rank, dtype)
-    return [row[:-1] for row in meta_host], meta_WE1[:, :-1]
+    raise_on_mismatch([row[-1] for row in meta_host], config, world, rank, dtype, placement)
+    e = tokens_per_expert_E.shape[0]
+    return ([row[:e] for row in meta_host], meta_WE1[:, :e],
+            [row[e] for row in meta_host] if extra else [])
 
 
 def dispatch(x_PH: Tensor, plan: DispatchPlan, group) -> Tensor:
-    """Send each local pair's x row to its expert's rank; (P, H) -> (N, H) in expert order
-    (``lrmoe.a2a_dispatch``, then the re-sort under ``lrmoe.permute``)."""
+    """Send each local pair's x row to its instance's rank; (P, H) -> (N, H) in instance
+    order (``lrmoe.a2a_dispatch``; the re-sorts into send order and into instance order
+    under ``lrmoe.permute``)."""
+    if plan.send_row_P is not None:
+        with phase("lrmoe.permute"):
+            x_PH = ops.gather_rows(x_PH, plan.send_row_P, None, 1)
     with phase("lrmoe.a2a_dispatch"):
-        x_recv_NH = _a2a(x_PH, plan.num_received, plan.input_splits, plan.output_splits,
-                         group)
+        x_recv_NH = all_to_all_rows(x_PH, plan.num_received, plan.input_splits,
+                                    plan.output_splits, group)
     with phase("lrmoe.permute"):
         return ops.gather_rows(x_recv_NH, plan.expert_to_arrival_N, None, 1)
 
@@ -80,9 +92,14 @@ def combine(y_NH: Tensor, phi_sq_N: Tensor, plan: DispatchPlan, group,
         y_recv_NH = ops.gather_rows(y_NH, plan.arrival_to_expert_N, None, 1)
         phi_sq_recv_N = phi_sq_N.index_select(0, plan.arrival_to_expert_N)
     with phase("lrmoe.a2a_combine"):
-        y_PH = _a2a(y_recv_NH, num_pairs, plan.output_splits, plan.input_splits, group)
-        phi_sq_P = _a2a(phi_sq_recv_N, num_pairs, plan.output_splits, plan.input_splits,
-                        group)
+        y_PH = all_to_all_rows(y_recv_NH, num_pairs, plan.output_splits, plan.input_splits,
+                               group)
+        phi_sq_P = all_to_all_rows(phi_sq_recv_N, num_pairs, plan.output_splits,
+                                   plan.input_splits, group)
+    if plan.send_pos_P is not None:  # send order -> this rank's row order
+        with phase("lrmoe.permute"):
+            y_PH = ops.gather_rows(y_PH, plan.send_pos_P, None, 1)
+            phi_sq_P = phi_sq_P.index_select(0, plan.send_pos_P)
     return y_PH, phi_sq_P
 
 
@@ -92,7 +109,9 @@ def dispatch_grads(G_RH: Tensor, positions_R: Tensor, plan: DispatchPlan, group
 
     Args:
         G_RH: (R, H) kept pair gradients, in this rank's row order.
-        positions_R: (R,) int32 row (in this rank's expert-sorted order) of each.
+        positions_R: (R,) int32 row (in this rank's expert-sorted order) of each; with
+            replicas the rows go in send order (``plan.grad_send_R``) and carry their
+            forward send positions, so the instance finds its saved rows.
 
     Returns:
         (G_MH (M, H) the received rows in expert order; rows_M (M,) int32 their rows in
@@ -100,10 +119,17 @@ def dispatch_grads(G_RH: Tensor, positions_R: Tensor, plan: DispatchPlan, group
         int64 the arrival position of each, for :func:`combine_dx`).
     """
     m = plan.num_grad_received
+    positions_R = positions_R.to(torch.int32)
+    if plan.send_pos_P is not None:
+        with phase("lrmoe.compact"):
+            positions_R = plan.send_pos_P.index_select(0, positions_R.long())
+            G_RH = ops.gather_rows(G_RH, plan.grad_send_R, None, 1)
+            positions_R = positions_R.index_select(0, plan.grad_send_R.long())
     with phase("lrmoe.a2a_grad"):
-        G_recv_MH = _a2a(G_RH, m, plan.grad_input_splits, plan.grad_output_splits, group)
-        pos_recv_M = _a2a(positions_R.to(torch.int32), m, plan.grad_input_splits,
-                          plan.grad_output_splits, group)
+        G_recv_MH = all_to_all_rows(G_RH, m, plan.grad_input_splits, plan.grad_output_splits,
+                                    group)
+        pos_recv_M = all_to_all_rows(positions_R, m, plan.grad_input_splits,
+                                     plan.grad_output_splits, group)
     with phase("lrmoe.compact"):
         # position in source s's row order -> arrival row of the forward -> expert order
         row_M = plan.arrival_to_expert_N.index_select(0, pos_recv_M.long() + plan.grad_base_M)
@@ -113,19 +139,25 @@ def dispatch_grads(G_RH: Tensor, positions_R: Tensor, plan: DispatchPlan, group
 
 
 def combine_dx(dx_MH: Tensor, order_M: Tensor, plan: DispatchPlan, group) -> Tensor:
-    """Return dX of the kept rows to their sources, in the order they were sent:
+    """Return dX of the kept rows to their sources, in the kept order of the selection:
     (M, H) -> (R, H) (``lrmoe.scatter`` for the un-sort, then ``lrmoe.a2a_dx``)."""
     with phase("lrmoe.scatter"):
         dx_recv_MH = ops.gather_rows(dx_MH, inverse_permutation(order_M).to(torch.int32),
                                      None, 1)
     with phase("lrmoe.a2a_dx"):
-        return _a2a(dx_recv_MH, plan.num_retained, plan.grad_output_splits,
-                    plan.grad_input_splits, group)
+        dx_RH = all_to_all_rows(dx_recv_MH, plan.num_retained, plan.grad_output_splits,
+                                plan.grad_input_splits, group)
+    if plan.grad_send_R is None:
+        return dx_RH
+    with phase("lrmoe.scatter"):  # send order -> the kept order of the selection
+        return ops.gather_rows(dx_RH, inverse_permutation(plan.grad_send_R), None, 1)
 
 
-def _a2a(x: Tensor, out_rows: int, in_splits: List[int], out_splits: List[int], group
-         ) -> Tensor:
-    """``all_to_all_single`` with variable row splits (x contiguous, first dim rows)."""
+def all_to_all_rows(x: Tensor, out_rows: int, in_splits: List[int], out_splits: List[int],
+                    group) -> Tensor:
+    """``all_to_all_single`` with variable row splits (x contiguous, first dim rows):
+    ``in_splits[d]`` rows go to rank d, ``out_splits[s]`` arrive from rank s; a
+    collective."""
     out = x.new_empty((out_rows,) + tuple(x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits,
                            input_split_sizes=in_splits, group=group)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -70,21 +70,25 @@ def init_torchrun_group(ep_size: int, use_cuda: bool, setting: str) -> str:
     return dist.get_backend()
 
 
-def config_hash(config: LRMoEConfig, ep_size: int, dtype: Optional[torch.dtype] = None
-                ) -> int:
-    """A 62-bit hash of the fields every EP rank must agree on (and the EP size, and the
-    compute dtype of the forward when given)."""
+def config_hash(config: LRMoEConfig, ep_size: int, dtype: Optional[torch.dtype] = None,
+                placement: Any = None) -> int:
+    """A 62-bit hash of the fields every EP rank must agree on (and the EP size, the
+    compute dtype of the forward when given, and the placement settings -- policy,
+    budget, resident bytes, slots -- when given: a
+    :class:`lrmoe.parallel.replicas.Placement`)."""
     text = repr([(f, getattr(config, f)) for f in _HASH_FIELDS] + [("ep_size", ep_size)]
-                + ([("dtype", str(dtype))] if dtype is not None else []))
+                + ([("dtype", str(dtype))] if dtype is not None else [])
+                + ([("placement", placement.summary())] if placement is not None else []))
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
 
 
-def config_summary(config: LRMoEConfig, ep_size: int) -> str:
+def config_summary(config: LRMoEConfig, ep_size: int, placement: Any = None) -> str:
     """The hashed fields as text, for error messages."""
-    return ", ".join(f"{f}={getattr(config, f)!r}" for f in _HASH_FIELDS) + f", ep={ep_size}"
+    text = ", ".join(f"{f}={getattr(config, f)!r}" for f in _HASH_FIELDS) + f", ep={ep_size}"
+    return text + (f", placement={placement!r}" if placement is not None else "")
 
 
-def check_config_across_ranks(config: LRMoEConfig, group) -> None:
+def check_config_across_ranks(config: LRMoEConfig, group, placement: Any = None) -> None:
     """Fail fast (on every rank) when the ranks of ``group`` disagree on the MoE config.
 
     A collective: every rank of ``group`` must call it.
@@ -94,17 +98,18 @@ def check_config_across_ranks(config: LRMoEConfig, group) -> None:
             settings.
     """
     world = dist.get_world_size(group)
-    mine = torch.tensor([config_hash(config, world)], dtype=torch.int64)
+    mine = torch.tensor([config_hash(config, world, placement=placement)], dtype=torch.int64)
     dev = comm_device(group)
     mine = mine.to(dev)
     got = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(got, mine, group=group)
     hashes = [int(t.item()) for t in got]
-    raise_on_mismatch(hashes, config, world, dist.get_rank(group))
+    raise_on_mismatch(hashes, config, world, dist.get_rank(group), placement=placement)
 
 
 def raise_on_mismatch(hashes: Sequence[int], config: LRMoEConfig, world: int,
-                      rank: int, dtype: Optional[torch.dtype] = None) -> None:
+                      rank: int, dtype: Optional[torch.dtype] = None,
+                      placement: Any = None) -> None:
     """Raise on every rank when the gathered config hashes differ or one is
     :data:`FAILED`.
 
@@ -112,6 +117,7 @@ def raise_on_mismatch(hashes: Sequence[int], config: LRMoEConfig, world: int,
         hashes: the W hashes of :func:`config_hash` (or :data:`FAILED`), in rank order.
         config, world, rank: this rank's config, EP size and rank, for the message.
         dtype: the compute dtype hashed along (per-forward check), or None.
+        placement: the placement settings hashed along, or None.
 
     Raises:
         RuntimeError: some rank announced a failure (:func:`announce_failure`).
@@ -128,18 +134,22 @@ def raise_on_mismatch(hashes: Sequence[int], config: LRMoEConfig, world: int,
         raise ValueError(
             f"expert-parallel ranks disagree on the LRMoE {what}: ranks {bad} differ "
             f"from rank 0 (E, K, H, I, shared expert, c, metric, quota rule, selection, "
-            f"router, seed, EP size{' and the dtype of the expert inputs' if dtype else ''} "
-            f"must match on every rank); rank {rank} has {config_summary(config, world)}"
+            f"router, seed, EP size{' and the dtype of the expert inputs' if dtype else ''}"
+            f"{', placement policy, memory budget, resident bytes and replica slots' if placement is not None else ''} "
+            f"must match on every rank); rank {rank} has "
+            f"{config_summary(config, world, placement)}"
             + (f", dtype={dtype}" if dtype is not None else ""))
 
 
-def announce_failure(config: LRMoEConfig, group) -> None:
+def announce_failure(config: LRMoEConfig, group, extra: int = 0) -> None:
     """Join the counts exchange of the forward in place of a rank that failed before it
     (bad input, non-finite router logits), so the other ranks raise at once instead of
     waiting for the collective timeout. Call it from an ``except`` block, then re-raise.
-    A collective."""
+    A collective; ``extra``: the slots the exchange carries beyond counts and hash (1 with
+    a placement policy)."""
     world = dist.get_world_size(group)
-    meta = torch.zeros(config.num_experts + 1, dtype=torch.int64, device=comm_device(group))
+    meta = torch.zeros(config.num_experts + 1 + extra, dtype=torch.int64,
+                       device=comm_device(group))
     meta[-1] = FAILED
     dist.all_gather([torch.empty_like(meta) for _ in range(world)], meta, group=group)
 

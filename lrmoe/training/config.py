@@ -288,13 +288,31 @@ class ParallelConfig:
             parallel, each rank builds and trains on its own batches (a step sees
             N * batch_size sequences); rank 0 writes the run files and rank r > 0 its own
             (expert shards in its checkpoints) to ``out_dir/ep-rank-r``.
+        policy, memory_budget, resident_bytes, replica_slots: placement of expert
+            instances under EP (``--policy fixed|ultraep|symi|lrmoe``, ``--memory-budget
+            80GiB``: an int or a size text, ``--resident-bytes``: None measures
+            ``torch.cuda.memory_allocated`` on the GPU, 0 on the CPU, ``--replica-slots``;
+            :func:`lrmoe.parallel.replicas.placement_from_config`; README "Placement
+            policies and replicas"); policy None: fixed ownership without the planner.
     """
 
     ep_size: int = 1
+    policy: Optional[str] = None
+    memory_budget: Optional[Any] = None
+    resident_bytes: Optional[int] = None
+    replica_slots: int = 2
 
     def validate(self) -> None:
-        """Raises ValueError naming ``parallel.ep_size`` on an invalid value."""
+        """Raises ValueError naming the ``parallel.*`` field on an invalid value."""
+        from lrmoe.parallel.replicas import placement_from_config
+
         _int("parallel.ep_size", self.ep_size, 1)
+        _int("parallel.resident_bytes", self.resident_bytes, 0, optional=True)
+        _int("parallel.replica_slots", self.replica_slots, 0)
+        if self.policy is not None and self.ep_size < 2:
+            raise ValueError(f"parallel.policy={self.policy} places experts over ranks; it "
+                             f"needs parallel.ep_size >= 2 (--ep N), got {self.ep_size}")
+        placement_from_config(self)  # the policy, budget and slots, named as parallel.*
 
 
 @dataclass

@@ -209,6 +209,7 @@ class Trainer:
     def _setup(self) -> None:
         from lrmoe.data import load_data
         from lrmoe.integrations.transformers import patch_moe_blocks
+        from lrmoe.parallel.replicas import placement_from_config
 
         cfg = self.cfg
         import transformers
@@ -255,7 +256,9 @@ class Trainer:
                                  "data files or the tokenizer changed):\n  " + "\n  ".join(diffs))
 
         self.model = self._build_model()
-        patched = patch_moe_blocks(self.model, ep_group=self.group, **cfg.lrmoe_settings)
+        patched = patch_moe_blocks(self.model, ep_group=self.group,
+                                   policy=placement_from_config(cfg.parallel),
+                                   **cfg.lrmoe_settings)
         if not patched:
             raise ValueError(f"the model ({type(self.model).__name__}) has no sparse-MoE block "
                              "that lrmoe can replace")
@@ -272,6 +275,11 @@ class Trainer:
                 layer.trace, layer.layer_index = self.trace, index
         self.model.to(self.device)
         self.model.train()
+        if cfg.parallel.policy is not None and cfg.parallel.resident_bytes is None:
+            # the planner's resident bytes: measured once, the same on every rank
+            from lrmoe.parallel.replicas import measured_resident_bytes, set_placement
+            set_placement(self.model, placement_from_config(
+                cfg.parallel, measured_resident_bytes(self.device, self.group)))
         self.moe_timer = make_timer(cfg.run.time_moe, self.model, self.device)
         self.aux_coef = float(getattr(self.model.config, "router_aux_loss_coef", 0.0) or 0.0)
         self.optimizer, self.scheduler = build_optimizer(cfg.optim, self.model, self.device,
@@ -328,6 +336,9 @@ class Trainer:
             layer.stats.backward_steps = int(counters[name])
         self.tokens_seen = int(state["tokens_seen"])
         self.elapsed_before = float(state["elapsed_s"])
+        if "placement" in state:
+            from lrmoe.parallel.replicas import load_placement_state
+            load_placement_state(self.lrmoe_layers, state["placement"])
         self._last_saved_step = self.step
         self.last_checkpoint = self.resume_from
         log(f"resumed from {self.resume_from} at step {self.step} (epoch "
@@ -369,6 +380,9 @@ class Trainer:
             "metrics_bytes": int(metrics.stat().st_size),
             "data_fingerprint": self.data_fingerprint,
             "ep_size": int(self.cfg.parallel.ep_size), "ep_rank": int(self.rank)}
+        if self.cfg.parallel.policy is not None:  # symi plans from the last step's loads
+            from lrmoe.parallel.replicas import placement_state
+            state["placement"] = placement_state(self.lrmoe_layers)
         final = ckpt_io.save_checkpoint(
             self.out_dir, self.step, model=self.model, cfg=self.cfg, state=state,
             tokenizer_path=self.data.tokenizer_path, metrics_path=metrics,
@@ -432,6 +446,9 @@ class Trainer:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
+        if cfg.parallel.policy == "symi":  # replica copies for the next step (symi)
+            from lrmoe.parallel.replicas import push_replica_weights
+            push_replica_weights(self.model)
         self.scheduler.step()
         self.step += 1
         if self.trace is not None:
@@ -512,6 +529,9 @@ class Trainer:
                 record = self._train_step()
                 if self.step % cfg.run.log_every == 0 or self.step == steps:
                     record.update(diagnostics_means(self.model))
+                    if cfg.parallel.policy is not None:
+                        from lrmoe.parallel.replicas import placement_metrics
+                        record.update(placement_metrics(self.model))
                     self._records.append(record)
                     self.metrics.write(record)
                 progress.update(self.step, steps, record)
