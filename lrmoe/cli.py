@@ -58,6 +58,10 @@ def _add_train_parser(sub: Any) -> None:
     p.add_argument("--ep", type=int, metavar="N", dest="ep_size",
                    help="expert-parallel size; run under torchrun --nproc-per-node N "
                         "(config key parallel.ep_size)")
+    p.add_argument("--dp", type=int, metavar="D", dest="dp_size",
+                   help="data-parallel size of a DP x EP run: torchrun --nproc-per-node "
+                        "D*N ranks on a (dp, ep) mesh, experts replicated over dp "
+                        "(config key parallel.dp_size)")
     p.add_argument("--tensorboard", action="store_true", default=None,
                    help="also write the metrics as TensorBoard scalars to OUT/tensorboard "
                         "(run.tensorboard)")
@@ -148,7 +152,7 @@ def _train_overrides(args: argparse.Namespace) -> Dict[str, Any]:
             "quota_rule": args.quota_rule, "selection": args.selection, "steps": args.steps,
             "data": args.data, "tokenizer": args.tokenizer, "init_from": args.init_from,
             "out_dir": args.out_dir, "device": args.device, "record_trace": args.record_trace,
-            "ep_size": args.ep_size, "tensorboard": args.tensorboard,
+            "ep_size": args.ep_size, "dp_size": args.dp_size, "tensorboard": args.tensorboard,
             "time_moe": args.time_moe}
 
 

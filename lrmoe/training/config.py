@@ -280,13 +280,22 @@ class ParallelConfig:
             parallel, each rank builds and trains on its own batches (a step sees
             N * batch_size sequences); rank 0 writes the run files and rank r > 0 its own
             (expert shards in its checkpoints) to ``out_dir/ep-rank-r``.
+        dp_size: data-parallel size D of a DP x EP run (``--dp D``; 1 = EP over the whole
+            world): ``torchrun --nproc-per-node D*ep_size`` ranks on a (dp, ep) mesh,
+            experts sharded over ep and replicated over dp, every rank on its own
+            batches (a step sees D * ep_size * batch_size sequences); dp rank 0 of each
+            ep shard writes its checkpoints, dp ranks d > 0 only their logs, to
+            ``.../dp-rank-d`` (README "DP x EP").
     """
 
     ep_size: int = 1
+    dp_size: int = 1
 
     def validate(self) -> None:
-        """Raises ValueError naming ``parallel.ep_size`` on an invalid value."""
+        """Raises ValueError naming ``parallel.ep_size`` / ``parallel.dp_size`` on an
+        invalid value."""
         _int("parallel.ep_size", self.ep_size, 1)
+        _int("parallel.dp_size", self.dp_size, 1)
 
 
 @dataclass
@@ -415,6 +424,10 @@ class TrainConfig:
             raise ValueError(f"lrmoe.retained_mass_target (the adaptive rate) runs on one "
                              f"device only, but parallel.ep_size={ep}; use a fixed "
                              "lrmoe.recalibration_rate with --ep")
+        if self.parallel.dp_size > 1 and self.lrmoe.retained_mass_target > 0:
+            raise ValueError(f"lrmoe.retained_mass_target (the adaptive rate) runs on one "
+                             f"device only, but parallel.dp_size={self.parallel.dp_size}; "
+                             "use a fixed lrmoe.recalibration_rate with --dp")
 
     @property
     def lrmoe_settings(self) -> Dict[str, Any]:
