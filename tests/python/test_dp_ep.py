@@ -36,8 +36,11 @@ from lrmoe.training.config import (DataConfig, LRMoESettings, ModelConfig,  # no
 S = 32  # tokens per block
 WORDS = [f"w{i}" for i in range(60)]
 #: float32 summation order of W per-rank GEMMs + all-reduce against one batched GEMM,
-#: carried through a few Adam steps (Adam divides by sqrt(v), so it keeps relative errors)
-LOSS_RTOL, WEIGHT_ATOL = 2e-5, 2e-5
+#: carried through a few AdamW steps. AdamW's step is lr * g / (sqrt(v) + eps): for a
+#: weight whose gradient is near 0 (an expert row that one token touched) eps = 1e-8
+#: turns rounding noise into a large relative change, so the runs here use eps = 1e-6
+#: (a wrong reduction still moves a weight by O(lr) = 1e-2)
+LOSS_RTOL, WEIGHT_ATOL = 1e-5, 1e-5  # (measured: 1.1e-6 on the weights)
 
 
 def _text_data(root: Path) -> tuple[Path, Path]:
@@ -70,7 +73,7 @@ def _cfg(root: Path, name: str, **changes) -> TrainConfig:
                           router_aux_loss_coef=0.0, max_position_embeddings=S),
         data=DataConfig(source=f"text:{docs}", tokenizer=str(tok), seq_len=S, batch_size=1,
                         val_fraction=0.1, cache_dir=str(root / "cache")),
-        optim=OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=2),
+        optim=OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=2, adam_eps=1e-6),
         lrmoe=LRMoESettings(recalibration_rate=0.0),
         run=RunConfig(steps=4, eval_every=0, eval_batches=1, save_every=2, log_every=1,
                       out_dir=str(root / name), progress="none", device="cpu",
@@ -171,12 +174,14 @@ def test_dp2_ep2_resume_is_exact_and_other_sizes_are_refused(run_2x2):
         sub = Path(f"ep-rank-{e}") if e else Path()
         _assert_same_model(_weights(resumed / sub / "checkpoints" / "step-00000004"),
                            _weights(run / sub / "checkpoints" / "step-00000004"), 0)
-    # another D or E: refused before anything is built, naming the fields
-    r = _torchrun(["--resume", str(run / "checkpoints" / "step-00000002"), "--out",
-                   str(root / "other"), "--dp", "1", "--ep", "1"], root, nproc=0)
-    assert r.returncode != 0, r.stderr[-3000:]
-    assert "parallel.dp_size: checkpoint 2, now 1" in r.stderr, r.stderr[-3000:]
-    assert "parallel.ep_size: checkpoint 2, now 1" in r.stderr, r.stderr[-3000:]
+    # another D or E (here: one process, --dp 1 --ep 1): refused before anything is
+    # built, naming both fields
+    ckpt = run / "checkpoints" / "step-00000002"
+    cfg = T.read_checkpoint_config(ckpt).replace(dp_size=1, ep_size=1,
+                                                 out_dir=str(root / "other"))
+    with pytest.raises(ValueError, match=r"(?s)parallel\.ep_size: checkpoint 2, now 1.*"
+                                         r"parallel\.dp_size: checkpoint 2, now 1"):
+        T.train(cfg, resume=ckpt)
     assert not (root / "other").exists()
 
 
