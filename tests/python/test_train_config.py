@@ -38,7 +38,8 @@ def test_print_config_is_nested_yaml(capsys):
     data = yaml.safe_load(capsys.readouterr().out)
     assert list(data) == SECTIONS
     assert data["optim"]["lr"] == 1e-3 and data["run"]["tensorboard"] is True
-    assert data["data"]["source"] == "gcide" and data["parallel"] == {"ep_size": 1}
+    assert data["data"]["source"] == "gcide" and data["parallel"] == {"ep_size": 1,
+                                                                     "dp_size": 1}
 
 
 def test_nested_yaml_and_flat_yaml_with_a_note(tmp_path, capsys):
