@@ -263,6 +263,22 @@ def _check_mesh(rank, world):
     norm = clip_grad_norm_(layer, float("inf"), g.ep)
     assert float(norm) == pytest.approx(want_norm, rel=1e-6)
 
+    # checkpoint writes: dp rank 0 of each ep shard writes, the replicas get its path;
+    # a writer that fails stops every rank (no one waits in a later collective)
+    from lrmoe.training.distributed import write_once_per_dp_group
+    calls = []
+    got = write_once_per_dp_group(g, lambda: calls.append(rank) or "mine", "writer's", "x")
+    assert (got, len(calls)) == (("mine", 1) if g.dp_rank == 0 else ("writer's", 0))
+
+    def fail_on_ep1():
+        if g.ep_rank == 1:
+            raise OSError("disk full")
+        return "mine"
+    want = OSError if (g.dp_rank, g.ep_rank) == (0, 1) else RuntimeError
+    with pytest.raises(want, match="disk full" if want is OSError else
+                       f"a writer rank failed while saving.*rank {rank} stops too"):
+        write_once_per_dp_group(g, fail_on_ep1, "writer's", "saving")
+
 
 def test_mesh_layout_grad_groups_and_mismatched_dp():
     _spawn(_check_mesh, "gloo", 4)
