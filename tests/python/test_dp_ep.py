@@ -17,8 +17,6 @@ Legend: D dp size, E ep size, W = D * E ranks, B sequences per rank, S = seq_len
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
