@@ -6,10 +6,10 @@ Every EP rank must build the same layers (E, K, H, I, router, planned-backward s
 and run the same collectives; the checks here turn a mismatch or a rank that fails early
 into a clear error on every rank instead of a hang or an abort.
 
-DP x EP (:func:`init_dp_ep_mesh`): world = D x E ranks on a 2-D
-``torch.distributed.device_mesh.DeviceMesh`` of shape (D, E), dims ``("dp", "ep")``,
-row-major, so global rank g is dp rank ``g // E`` and ep rank ``g % E``: the ranks of one
-ep group are consecutive (on one node where E fits, for the all-to-all), and the D ranks
+DP x EP (:func:`init_dp_ep_mesh`): world = D x N ranks on a 2-D
+``torch.distributed.device_mesh.DeviceMesh`` of shape (D, N), dims ``("dp", "ep")``,
+row-major, so global rank g is dp rank ``g // N`` and ep rank ``g % N``: the ranks of one
+ep group are consecutive (on one node where N fits, for the all-to-all), and the D ranks
 holding the same expert shard form a dp group.
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ def init_torchrun_group(ep_size: int, use_cuda: bool, setting: str, dp_size: int
                              f"{world}; pass --ep {world} to use them all, or {launch}")
         raise ValueError(f"{setting} needs --dp x --ep = {dp_size} x {ep_size} = {need} "
                          f"processes, but torchrun started {world} (world size {world}); "
-                         f"pass --dp D --ep E with D x E = {world}, or {launch}")
+                         f"pass --dp D --ep N with D x N = {world}, or {launch}")
     if not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
         if backend == "nccl":  # one GPU per rank before NCCL binds the current device
@@ -183,7 +183,7 @@ class DpEpGroups:
             gradient norm.
         dp: the ranks holding the same expert shard (the mesh's ``"dp"`` dim), over which
             expert gradients are averaged; None when ``dp_size == 1`` (no replicas).
-        dp_size, ep_size: D and E. rank: global rank ``dp_rank * ep_size + ep_rank``.
+        dp_size, ep_size: D and N. rank: global rank ``dp_rank * ep_size + ep_rank``.
         dp_rank, ep_rank: this rank's coordinates on the mesh.
         mesh: the ``DeviceMesh``, or None when ``dp_size == 1``.
     """
@@ -231,13 +231,13 @@ def init_dp_ep_mesh(dp_size: int, ep_size: int) -> DpEpGroups:
     """The (dp, ep) groups of this rank, after :func:`init_torchrun_group`.
 
     ``dp_size == 1`` builds no mesh: the EP group is WORLD, exactly as an ``--ep`` run
-    without ``--dp``. Otherwise ``init_device_mesh(device_type, (D, E),
+    without ``--dp``. Otherwise ``init_device_mesh(device_type, (D, N),
     mesh_dim_names=("dp", "ep"))`` on the default group's device type (``cuda`` for NCCL,
     else ``cpu``). A collective: every rank calls it, first checking
     (:func:`check_mesh_across_ranks`) that all were given the same sizes.
 
     Raises:
-        ValueError: the ranks disagree on (dp, ep), or the world size is not D x E.
+        ValueError: the ranks disagree on (dp, ep), or the world size is not D x N.
     """
     check_mesh_across_ranks(dp_size, ep_size)
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -1,8 +1,8 @@
-"""DP x EP (``lrmoe train --dp D --ep E``): a (dp, ep) device mesh, experts sharded over ep
+"""DP x EP (``lrmoe train --dp D --ep N``): a (dp, ep) device mesh, experts sharded over ep
 and replicated over dp, gloo on the CPU.
 
-The reference for a D x E run is ONE process (``lrmoe.train``, no process group) on the
-same global batch: batch_size D*E*B against B per rank. The two are equal up to the fp32
+The reference for a D x N run is ONE process (``lrmoe.train``, no process group) on the
+same global batch: batch_size D*N*B against B per rank. The two are equal up to the fp32
 summation order (per-rank GEMMs + all-reduce against one GEMM over the whole batch) when
 
 * c = 0: under EP the backward quotas are split into per-source shares (docs/algorithm.md
@@ -13,7 +13,7 @@ summation order (per-rank GEMMs + all-reduce against one GEMM over the whole bat
   which is the global per-token mean only then. The data here are text documents of
   exactly S tokens under a word-level tokenizer, so every block is full.
 
-Legend: D dp size, E ep size, W = D * E ranks, B sequences per rank, S = seq_len.
+Legend: D dp size, N ep size, W = D * N ranks, B sequences per rank, S = seq_len.
 """
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def _weights(ckpt: Path) -> dict:
 
 
 def _merged_shards(run: Path, step: int, ep: int) -> dict:
-    """The whole model of a D x E run at ``step``: dense weights from ep rank 0, each
+    """The whole model of a D x N run at ``step``: dense weights from ep rank 0, each
     expert tensor concatenated over the ep shards in rank order."""
     name = f"step-{step:08d}"
     shards = [_weights((run if e == 0 else run / f"ep-rank-{e}") / "checkpoints" / name)
@@ -172,7 +172,7 @@ def test_dp2_ep2_resume_is_exact_and_other_sizes_are_refused(run_2x2):
         sub = Path(f"ep-rank-{e}") if e else Path()
         _assert_same_model(_weights(resumed / sub / "checkpoints" / "step-00000004"),
                            _weights(run / sub / "checkpoints" / "step-00000004"), 0)
-    # another D or E (here: one process, --dp 1 --ep 1): refused before anything is
+    # another D or N (here: one process, --dp 1 --ep 1): refused before anything is
     # built, naming both fields
     ckpt = run / "checkpoints" / "step-00000002"
     cfg = T.read_checkpoint_config(ckpt).replace(dp_size=1, ep_size=1,
@@ -207,8 +207,8 @@ def test_world_size_other_than_dp_times_ep_is_refused(monkeypatch):
                  ("MASTER_PORT", str(_free_port()))):
         monkeypatch.setenv(k, v)
     with pytest.raises(ValueError, match=r"--dp x --ep = 2 x 2 = 4 processes, but torchrun "
-                                         r"started 3 \(world size 3\).*--dp D --ep E with "
-                                         r"D x E = 3.*--nproc-per-node 4 \.\.\. --dp 2 --ep 2"):
+                                         r"started 3 \(world size 3\).*--dp D --ep N with "
+                                         r"D x N = 3.*--nproc-per-node 4 \.\.\. --dp 2 --ep 2"):
         init_torchrun_group(2, False, "parallel.dp_size=2 x parallel.ep_size=2", dp_size=2)
     with pytest.raises(ValueError, match="parallel.dp_size"):
         TrainConfig().replace(dp_size=0)
