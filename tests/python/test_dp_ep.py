@@ -25,7 +25,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_expert_parallel import _free_port, _spawn, _torchrun, _train_records  # noqa: E402
+import test_expert_parallel as tep  # noqa: E402
+from test_expert_parallel import (_backends, _free_port, _spawn, _torchrun,  # noqa: E402
+                                  _train_records)
 
 from lrmoe import train as T  # noqa: E402
 from lrmoe.training.config import (DataConfig, LRMoESettings, ModelConfig,  # noqa: E402
@@ -234,13 +236,14 @@ def _check_mesh(rank, world):
 
     cfg = LRMoEConfig(hidden_size=8, moe_intermediate_size=6, num_experts=4, top_k=2,
                       router_aux_loss_coef=0.0, shared_expert_intermediate_size=5)
+    dev = tep._DEVICE  # this rank's GPU under NCCL (set by test_expert_parallel._worker)
     torch.manual_seed(9)
-    layer = LRMoELayer(cfg, ep_group=g.ep).double()
+    layer = LRMoELayer(cfg, ep_group=g.ep).double().to(dev)
     torch.manual_seed(9)
-    ref = LRMoELayer(cfg).double()  # one process, the whole batch, float64
+    ref = LRMoELayer(cfg).double().to(dev)  # one process, the whole batch, float64
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(14, 8, generator=gen, dtype=torch.float64)
-    w_out = torch.randn(14, 8, generator=gen, dtype=torch.float64)
+    x = torch.randn(14, 8, generator=gen, dtype=torch.float64).to(dev)
+    w_out = torch.randn(14, 8, generator=gen, dtype=torch.float64).to(dev)
     sl = slice(rank * 14 // world, (rank + 1) * 14 // world)  # global rank order
     (ref(x) * w_out).sum().backward()
     (layer(x[sl]) * w_out[sl]).sum().backward()
@@ -278,5 +281,6 @@ def _check_mesh(rank, world):
         write_once_per_dp_group(g, fail_on_ep1, "writer's", "saving")
 
 
-def test_mesh_layout_grad_groups_and_mismatched_dp():
-    _spawn(_check_mesh, "gloo", 4)
+@pytest.mark.parametrize("backend,world", _backends([4], (4,)))
+def test_mesh_layout_grad_groups_and_mismatched_dp(backend, world):
+    _spawn(_check_mesh, backend, world)
