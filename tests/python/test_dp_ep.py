@@ -142,6 +142,7 @@ def test_dp2_ep2_equals_one_process_on_the_same_global_batch(run_2x2):
     got, want = (_train_records(r, "step", "loss", "grad_norm", "tokens", "loss_tokens")
                  for r in (run, ref))
     assert [g[0] for g in got] == [1, 2, 3, 4]
+    assert all(g[4] == 4 * (S - 1) for g in got)  # full blocks: equal loss tokens per rank
     for g, w in zip(got, want):
         assert g[0] == w[0] and g[3:] == w[3:], (g, w)  # the same global batch
         assert g[1] == pytest.approx(w[1], rel=LOSS_RTOL) and \
