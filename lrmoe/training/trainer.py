@@ -112,7 +112,8 @@ class Trainer:
         FileExistsError: a fresh run into an ``out_dir`` that holds a run, without
             ``overwrite``.
         ValueError: a config incompatible with the checkpoint (names each field), a bad
-            device, E not divisible by the EP size.
+            device, E not divisible by the EP size, a torchrun world size other than
+            parallel.dp_size x parallel.ep_size or ranks started with other sizes.
         FileNotFoundError: missing checkpoint, ``init_from`` or tokenizer.
     """
 
