@@ -73,6 +73,10 @@ def _add_train_parser(sub: Any) -> None:
                         "resident_bytes; default: measured on the GPU, 0 on the CPU)")
     p.add_argument("--replica-slots", type=int, metavar="R", dest="replica_slots",
                    help="spare expert slots per rank for replicas (parallel.replica_slots)")
+    p.add_argument("--dp", type=int, metavar="D", dest="dp_size",
+                   help="data-parallel size of a DP x EP run: torchrun --nproc-per-node "
+                        "D*N ranks on a (dp, ep) mesh, experts replicated over dp "
+                        "(config key parallel.dp_size)")
     p.add_argument("--tensorboard", action="store_true", default=None,
                    help="also write the metrics as TensorBoard scalars to OUT/tensorboard "
                         "(run.tensorboard)")
@@ -196,7 +200,7 @@ def _train_overrides(args: argparse.Namespace) -> Dict[str, Any]:
             "offload": args.offload,
             "data": args.data, "tokenizer": args.tokenizer, "init_from": args.init_from,
             "out_dir": args.out_dir, "device": args.device, "record_trace": args.record_trace,
-            "ep_size": args.ep_size, "tensorboard": args.tensorboard,
+            "ep_size": args.ep_size, "dp_size": args.dp_size, "tensorboard": args.tensorboard,
             "time_moe": args.time_moe, "policy": args.policy,
             "memory_budget": args.memory_budget, "resident_bytes": args.resident_bytes,
             "replica_slots": args.replica_slots}

@@ -1,12 +1,23 @@
-"""Data-parallel side of expert parallelism: gradient sync of the non-expert parameters,
-the global gradient-norm clip and per-rank checkpoints of expert-sharded modules.
+"""Data-parallel side of expert parallelism: gradient sync of the non-expert parameters
+(and, under DP x EP, of the expert replicas), the global gradient-norm clip and per-rank
+checkpoints of expert-sharded modules.
 
 Expert-sharded parameters carry ``EXPERT_PARAM_ATTR``; everything else is replicated on
-every rank of the EP group.
+every rank.
+
+DP x EP (a (dp, ep) mesh, :func:`lrmoe.parallel.init_dp_ep_mesh`): experts are sharded
+over ep and replicated over dp, so their gradients are averaged over the dp group only;
+every other parameter is averaged over all ranks. Both use the same bucketed all-reduce
+(:func:`allreduce_non_expert_grads`). Why not FSDP2 (``fully_shard``): it would shard the
+dense parameters into DTensors, which changes the optimizer state, the checkpoint format
+and the exact single-process equality of the dense update, and the expert weights, already
+sharded by the EP layer's own all-to-all autograd, would have to be excluded from it; the
+dense part of the models this trains is small next to the experts, so replicating it costs
+little memory and keeps one code path for ``--dp 1`` and ``--dp D``.
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,51 +32,76 @@ def is_expert_param(p: Tensor) -> bool:
     return bool(getattr(p, EXPERT_PARAM_ATTR, False))
 
 
-def allreduce_non_expert_grads(module: nn.Module, group=None,
-                               bucket_bytes: int = 64 << 20) -> None:
-    """Data-parallel gradient sync for a loss that is the MEAN of the ranks' local losses.
-
-    Non-expert gradients are averaged over ``group``: flattened into buckets of at most
+def _sum_in_buckets(grads: List[Tensor], group, bucket_bytes: int) -> None:
+    """Sum ``grads`` over ``group`` in place: flattened into buckets of at most
     ``bucket_bytes`` per dtype (one all-reduce per bucket, as DDP's reducer does, instead
-    of one per parameter), summed, divided by W and copied back. Expert-sharded gradients
-    are only divided by W: each already sums the contributions of every rank's tokens
-    through the all-to-all, so no collective is needed for them. Parameters without a
-    gradient contribute zeros (every rank joins the same collectives, in parameter
-    order). A collective.
-    """
-    world = dist.get_world_size(group)
+    of one per parameter), in list order. A collective."""
     open_bucket: Dict[torch.dtype, List[Tensor]] = {}
     open_bytes: Dict[torch.dtype, int] = {}
     full: List[List[Tensor]] = []
+    for g in grads:
+        dt = g.dtype
+        open_bucket.setdefault(dt, []).append(g)
+        open_bytes[dt] = open_bytes.get(dt, 0) + g.numel() * g.element_size()
+        if open_bytes[dt] >= bucket_bytes:
+            full.append(open_bucket.pop(dt))
+            open_bytes[dt] = 0
+    for bucket in full + list(open_bucket.values()):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, group=group)
+        for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+            g.copy_(part.view_as(g))
+
+
+def allreduce_non_expert_grads(module: nn.Module, group=None,
+                               bucket_bytes: int = 64 << 20, dp_group: Optional[
+                                   dist.ProcessGroup] = None) -> None:
+    """Data-parallel gradient sync for a loss that is the MEAN of the ranks' local losses.
+
+    Non-expert gradients are averaged over ``group`` (W ranks): summed in buckets of at
+    most ``bucket_bytes`` per dtype, divided by W. Expert-sharded gradients already sum the
+    contributions of every token of their EP group through the all-to-all; without
+    ``dp_group`` (EP over the whole world) they are only divided by W; with ``dp_group``
+    (DP x EP: the ranks holding the same expert shard) they are first summed over it (same
+    buckets), then divided by W. Parameters without a gradient contribute zeros (every
+    rank joins the same collectives, in parameter order). A collective.
+
+    Args:
+        module: the model (parameters in the same order on every rank).
+        group: all W data-parallel ranks (None: WORLD).
+        bucket_bytes: largest bucket, bytes.
+        dp_group: the expert replicas' group of a (dp, ep) mesh, or None.
+    """
+    world = dist.get_world_size(group)
+    dense: List[Tensor] = []
+    expert: List[Tensor] = []
     for p in module.parameters():
         if not p.requires_grad:
             continue
         if is_expert_param(p):
+            if dp_group is not None and p.grad is None:
+                p.grad = torch.zeros_like(p)
             if p.grad is not None:
-                p.grad.div_(world)
+                expert.append(p.grad)
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        dt = p.grad.dtype
-        open_bucket.setdefault(dt, []).append(p.grad)
-        open_bytes[dt] = open_bytes.get(dt, 0) + p.grad.numel() * p.grad.element_size()
-        if open_bytes[dt] >= bucket_bytes:
-            full.append(open_bucket.pop(dt))
-            open_bytes[dt] = 0
-    for grads in full + list(open_bucket.values()):
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        flat.div_(world)
-        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(part.view_as(g))
+        dense.append(p.grad)
+    _sum_in_buckets(dense, group, bucket_bytes)
+    if dp_group is not None:
+        _sum_in_buckets(expert, dp_group, bucket_bytes)
+    for g in dense + expert:
+        g.div_(world)
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, group=None) -> Tensor:
     """Clip by the global gradient norm over all ranks; returns the norm (fp32 tensor).
 
-    Expert-sharded parameters' squared norms are summed over ``group``; non-expert
-    parameters (already identical on every rank after :func:`allreduce_non_expert_grads`)
-    count once. A collective.
+    Expert-sharded parameters' squared norms are summed over ``group``, the EP group
+    (whose shards together hold every expert once; under DP x EP the mesh's ``"ep"``
+    group, its dp replicas hold the same gradients after :func:`allreduce_non_expert_grads`
+    and so the same norm); non-expert parameters (already identical on every rank) count
+    once. A collective.
     """
     params = [p for p in module.parameters() if p.grad is not None]
     dev = params[0].grad.device if params else torch.device("cpu")

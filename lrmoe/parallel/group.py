@@ -1,15 +1,23 @@
-"""The EP process group: joining it under torchrun, the communication device, the MoE
-config check across ranks and the failure announcement before the dispatch.
+"""The EP process group: joining it under torchrun, the (dp, ep) device mesh, the
+communication device, the MoE config check across ranks and the failure announcement
+before the dispatch.
 
 Every EP rank must build the same layers (E, K, H, I, router, planned-backward settings)
 and run the same collectives; the checks here turn a mismatch or a rank that fails early
 into a clear error on every rank instead of a hang or an abort.
+
+DP x EP (:func:`init_dp_ep_mesh`): world = D x N ranks on a 2-D
+``torch.distributed.device_mesh.DeviceMesh`` of shape (D, N), dims ``("dp", "ep")``,
+row-major, so global rank g is dp rank ``g // N`` and ep rank ``g % N``: the ranks of one
+ep group are consecutive (on one node where N fits, for the all-to-all), and the D ranks
+holding the same expert shard form a dp group.
 """
 from __future__ import annotations
 
 import datetime
 import hashlib
 import os
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
@@ -26,7 +34,8 @@ FAILED = -1
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
-def init_torchrun_group(ep_size: int, use_cuda: bool, setting: str) -> str:
+def init_torchrun_group(ep_size: int, use_cuda: bool, setting: str, dp_size: int = 1
+                        ) -> str:
     """Join the default process group that ``torchrun`` prepared for this process.
 
     NCCL when ``use_cuda`` (after ``torch.cuda.set_device(LOCAL_RANK)``, so each rank
@@ -34,28 +43,37 @@ def init_torchrun_group(ep_size: int, use_cuda: bool, setting: str) -> str:
     nothing but the checks when the group already exists.
 
     Args:
-        ep_size: the expert-parallel size asked for; must equal torchrun's world size.
+        ep_size: the expert-parallel size asked for.
         use_cuda: pick NCCL and bind ``cuda:LOCAL_RANK``.
-        setting: how the user gave ``ep_size`` (``"--ep 2"``, ``"ep_size=2"``), for errors.
+        setting: how the user gave the sizes (``"--ep 2"``, ``"ep_size=2"``), for errors.
+        dp_size: the data-parallel size of a DP x EP run (1: EP over the whole world);
+            ``dp_size * ep_size`` must equal torchrun's world size.
 
     Returns:
         The backend name (``"nccl"`` or ``"gloo"``).
 
     Raises:
         ValueError: not started by torchrun (its env variables are missing), a world
-            size other than ``ep_size``, or (NCCL) more processes per node than GPUs; the
-            message names ``setting`` and ``torchrun --nproc-per-node``.
+            size other than ``dp_size * ep_size``, or (NCCL) more processes per node than
+            GPUs; the message names ``setting``, ``--dp``/``--ep`` and ``torchrun
+            --nproc-per-node``.
     """
-    launch = f"launch with torchrun --nproc-per-node {ep_size} ... --ep {ep_size}"
+    need = dp_size * ep_size
+    flags = f"--ep {ep_size}" if dp_size == 1 else f"--dp {dp_size} --ep {ep_size}"
+    launch = f"launch with torchrun --nproc-per-node {need} ... {flags}"
     missing = [v for v in _TORCHRUN_ENV if v not in os.environ]
     if missing and not dist.is_initialized():
-        raise ValueError(f"{setting} needs {ep_size} processes started by torchrun, but "
+        raise ValueError(f"{setting} needs {need} processes started by torchrun, but "
                          f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
                          f"set (this process was not started by torchrun); {launch}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != ep_size:
-        raise ValueError(f"{setting} needs {ep_size} processes, but torchrun started "
-                         f"{world}; pass --ep {world} to use them all, or {launch}")
+    if world != need:
+        if dp_size == 1:
+            raise ValueError(f"{setting} needs {ep_size} processes, but torchrun started "
+                             f"{world}; pass --ep {world} to use them all, or {launch}")
+        raise ValueError(f"{setting} needs --dp x --ep = {dp_size} x {ep_size} = {need} "
+                         f"processes, but torchrun started {world} (world size {world}); "
+                         f"pass --dp D --ep N with D x N = {world}, or {launch}")
     if not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
         if backend == "nccl":  # one GPU per rank before NCCL binds the current device
@@ -161,3 +179,88 @@ def comm_device(group) -> torch.device:
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class DpEpGroups:
+    """The process groups of one rank of a DP x EP run (:func:`init_dp_ep_mesh`).
+
+    Attributes:
+        world: torch.distributed's WORLD: data-parallel group of the non-expert
+            parameters, the step totals, the stop flag.
+        ep: this rank's expert-parallel group (the mesh's ``"ep"`` dim; WORLD when
+            ``dp_size == 1``): the MoE layers' all-to-alls, the expert part of the
+            gradient norm.
+        dp: the ranks holding the same expert shard (the mesh's ``"dp"`` dim), over which
+            expert gradients are averaged; None when ``dp_size == 1`` (no replicas).
+        dp_size, ep_size: D and N. rank: global rank ``dp_rank * ep_size + ep_rank``.
+        dp_rank, ep_rank: this rank's coordinates on the mesh.
+        mesh: the ``DeviceMesh``, or None when ``dp_size == 1``.
+    """
+
+    world: Any
+    ep: Any
+    dp: Any
+    dp_size: int
+    ep_size: int
+    rank: int
+    dp_rank: int
+    ep_rank: int
+    mesh: Any = None
+
+
+def mesh_hash(dp_size: int, ep_size: int) -> int:
+    """A 62-bit hash of the mesh shape every rank must agree on."""
+    text = repr([("dp_size", dp_size), ("ep_size", ep_size)])
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
+
+
+def check_mesh_across_ranks(dp_size: int, ep_size: int, group=None) -> None:
+    """Fail fast (on every rank) when the ranks of ``group`` (default WORLD) were started
+    with different ``--dp`` / ``--ep``: they would build different meshes and wait on
+    different collectives. A collective (one all_gather of an int64).
+
+    Raises:
+        ValueError: naming the ranks whose (dp, ep) differ from rank 0's and this rank's.
+    """
+    world = dist.get_world_size(group)
+    mine = torch.tensor([mesh_hash(dp_size, ep_size)], dtype=torch.int64,
+                        device=comm_device(group))
+    got = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(got, mine, group=group)
+    hashes = [int(t.item()) for t in got]
+    bad = [i for i, h in enumerate(hashes) if h != hashes[0]]
+    if bad:
+        raise ValueError(f"ranks disagree on the parallel layout: ranks {bad} were started "
+                         f"with another --dp / --ep than rank 0 (parallel.dp_size and "
+                         f"parallel.ep_size must match on every rank); rank "
+                         f"{dist.get_rank(group)} has --dp {dp_size} --ep {ep_size}")
+
+
+def init_dp_ep_mesh(dp_size: int, ep_size: int) -> DpEpGroups:
+    """The (dp, ep) groups of this rank, after :func:`init_torchrun_group`.
+
+    ``dp_size == 1`` builds no mesh: the EP group is WORLD, exactly as an ``--ep`` run
+    without ``--dp``. Otherwise ``init_device_mesh(device_type, (D, N),
+    mesh_dim_names=("dp", "ep"))`` on the default group's device type (``cuda`` for NCCL,
+    else ``cpu``). A collective: every rank calls it, first checking
+    (:func:`check_mesh_across_ranks`) that all were given the same sizes.
+
+    Raises:
+        ValueError: the ranks disagree on (dp, ep), or the world size is not D x N.
+    """
+    check_mesh_across_ranks(dp_size, ep_size)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != dp_size * ep_size:
+        raise ValueError(f"--dp {dp_size} --ep {ep_size} needs {dp_size * ep_size} ranks, "
+                         f"but the process group has world size {world}")
+    if dp_size == 1:
+        return DpEpGroups(dist.group.WORLD, dist.group.WORLD, None, 1, ep_size, rank, 0,
+                          rank)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device_type, (dp_size, ep_size), mesh_dim_names=("dp", "ep"))
+    return DpEpGroups(dist.group.WORLD, mesh.get_group("ep"), mesh.get_group("dp"),
+                      dp_size, ep_size, rank, mesh.get_local_rank("dp"),
+                      mesh.get_local_rank("ep"), mesh)

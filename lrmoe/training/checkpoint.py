@@ -6,6 +6,11 @@ checkpoint; under expert parallelism with more than one rank, each rank's
 ``train_config.json`` (:class:`lrmoe.training.config.TrainConfig`), ``trainer_state.pt``
 (optimizer, scheduler, RNG states, data position, step, LRMoE backward counters) and
 ``metrics.jsonl`` (the log up to that step).
+
+Where each rank keeps its files (:func:`rank_dir`): ep rank 0 in ``out_dir``, ep rank
+e > 0 in ``out_dir/ep-rank-e``; under DP x EP only dp rank 0 of each ep shard writes
+checkpoints there, dp rank d > 0 keeps its logs (no checkpoint) in ``<that>/dp-rank-d``
+and resumes from its ep shard's checkpoint (:func:`shard_checkpoint`).
 """
 from __future__ import annotations
 
@@ -28,6 +33,25 @@ STATE_FILE = "trainer_state.pt"
 TRAIN_CONFIG_FILE = "train_config.json"
 #: Folders a save in progress writes (``.tmp-step-*``) or is replacing (``.old-step-*``).
 STALE_PREFIXES = (".tmp-", ".old-")
+
+
+def rank_dir(out_dir: str | os.PathLike, ep_rank: int = 0, dp_rank: int = 0) -> Path:
+    """The folder of one rank's files: ``out_dir`` for (ep 0, dp 0), ``out_dir/ep-rank-e``
+    for ep rank e > 0, and ``<that>/dp-rank-d`` for a dp rank d > 0 of DP x EP."""
+    path = Path(out_dir)
+    if ep_rank > 0:
+        path = path / f"ep-rank-{ep_rank}"
+    return path / f"dp-rank-{dp_rank}" if dp_rank > 0 else path
+
+
+def shard_checkpoint(ckpt: str | os.PathLike, ep_rank: int) -> Path:
+    """Ep shard ``ep_rank``'s copy of the checkpoint ``ckpt`` of ep rank 0: the same step
+    under ``ep-rank-e`` (``out/checkpoints/step-X`` -> ``out/ep-rank-e/checkpoints/step-X``);
+    ``ckpt`` itself for ep rank 0."""
+    c = Path(ckpt)
+    if ep_rank == 0:
+        return c
+    return rank_dir(c.parent.parent, ep_rank) / c.parent.name / c.name
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> List[Path]:

@@ -294,9 +294,16 @@ class ParallelConfig:
             ``torch.cuda.memory_allocated`` on the GPU, 0 on the CPU, ``--replica-slots``;
             :func:`lrmoe.parallel.replicas.placement_from_config`; README "Placement
             policies and replicas"); policy None: fixed ownership without the planner.
+        dp_size: data-parallel size D of a DP x EP run (``--dp D``; 1 = EP over the whole
+            world): ``torchrun --nproc-per-node D*ep_size`` ranks on a (dp, ep) mesh,
+            experts sharded over ep and replicated over dp, every rank on its own
+            batches (a step sees D * ep_size * batch_size sequences); dp rank 0 of each
+            ep shard writes its checkpoints, dp ranks d > 0 only their logs, to
+            ``.../dp-rank-d`` (README "DP x EP").
     """
 
     ep_size: int = 1
+    dp_size: int = 1
     policy: Optional[str] = None
     memory_budget: Optional[Any] = None
     resident_bytes: Optional[int] = None
@@ -307,6 +314,7 @@ class ParallelConfig:
         from lrmoe.parallel.replicas import placement_from_config
 
         _int("parallel.ep_size", self.ep_size, 1)
+        _int("parallel.dp_size", self.dp_size, 1)
         _int("parallel.resident_bytes", self.resident_bytes, 0, optional=True)
         _int("parallel.replica_slots", self.replica_slots, 0)
         if self.policy is not None and self.ep_size < 2:
@@ -441,6 +449,10 @@ class TrainConfig:
             raise ValueError(f"lrmoe.retained_mass_target (the adaptive rate) runs on one "
                              f"device only, but parallel.ep_size={ep}; use a fixed "
                              "lrmoe.recalibration_rate with --ep")
+        if self.parallel.dp_size > 1 and self.lrmoe.retained_mass_target > 0:
+            raise ValueError(f"lrmoe.retained_mass_target (the adaptive rate) runs on one "
+                             f"device only, but parallel.dp_size={self.parallel.dp_size}; "
+                             "use a fixed lrmoe.recalibration_rate with --dp")
 
     @property
     def lrmoe_settings(self) -> Dict[str, Any]:

@@ -1,9 +1,11 @@
 """Processes of a run: torchrun / expert-parallel join, rank-0 printing, set-up steps that
-rank 0 does first, and the per-step agreement on stopping.
+rank 0 does first, the per-step agreement on stopping and the checkpoint writes of DP x EP.
 
-A run joins a process group when ``parallel.ep_size > 1`` or when torchrun launched it
-(EP size 1 then runs the expert-parallel layer over a group of one). The group is
-torch.distributed's WORLD; :mod:`lrmoe.parallel` does the collectives of the layers.
+A run joins a process group when ``parallel.ep_size * parallel.dp_size > 1`` or when
+torchrun launched it (EP size 1 then runs the expert-parallel layer over a group of one).
+The data-parallel group is torch.distributed's WORLD; the EP layers get the ep group of
+the (dp, ep) mesh (:func:`lrmoe.parallel.group.init_dp_ep_mesh`; WORLD without
+``--dp``); :mod:`lrmoe.parallel` does the collectives of the layers.
 """
 from __future__ import annotations
 
@@ -34,38 +36,48 @@ def log(text: str) -> None:
         print(f"[lrmoe] {text}", file=sys.stderr, flush=True)
 
 
-def is_expert_parallel(ep_size: int) -> bool:
-    """True when the run joins a process group: ``ep_size > 1``, or any torchrun launch
-    (a world size other than ``ep_size`` is then refused instead of N processes silently
-    training the same model into one folder)."""
-    return ep_size > 1 or under_torchrun()
+def is_expert_parallel(ep_size: int, dp_size: int = 1) -> bool:
+    """True when the run joins a process group: ``ep_size * dp_size > 1``, or any
+    torchrun launch (a world size other than ``dp_size * ep_size`` is then refused instead
+    of N processes silently training the same model into one folder)."""
+    return ep_size * dp_size > 1 or under_torchrun()
 
 
-def join(ep_size: int, device: str) -> Tuple[Any, int]:
-    """Join the torchrun process group when :func:`is_expert_parallel`.
+def join(ep_size: int, device: str, dp_size: int = 1) -> Optional[Any]:
+    """Join the torchrun process group and build the (dp, ep) groups when
+    :func:`is_expert_parallel`.
 
     Args:
-        ep_size: ``parallel.ep_size``; must equal torchrun's world size.
+        ep_size: ``parallel.ep_size``. dp_size: ``parallel.dp_size``; torchrun's world
+            size must be ``dp_size * ep_size``.
         device: ``run.device`` (``cpu`` forces gloo).
 
     Returns:
-        ``(group, rank)``: torch.distributed's WORLD group and this rank, or ``(None, 0)``
-        for a single-process run.
+        This rank's :class:`lrmoe.parallel.group.DpEpGroups` (WORLD, the ep group, the
+        dp group or None, the sizes and this rank's coordinates), or None for a
+        single-process run.
 
     Raises:
-        ValueError: not launched by torchrun, or a world size other than ``ep_size``
-            (from :func:`lrmoe.parallel.init_torchrun_group`).
+        ValueError: not launched by torchrun, a world size other than
+            ``dp_size * ep_size`` (from :func:`lrmoe.parallel.init_torchrun_group`), or
+            ranks started with different ``--dp`` / ``--ep``.
     """
-    if not is_expert_parallel(ep_size):
-        return None, 0
-    import torch.distributed as dist
-
+    if not is_expert_parallel(ep_size, dp_size):
+        return None
     from lrmoe.parallel import init_torchrun_group
+    from lrmoe.parallel.group import init_dp_ep_mesh
 
+    setting = (f"parallel.ep_size={ep_size}" if dp_size == 1 else
+               f"parallel.dp_size={dp_size} x parallel.ep_size={ep_size}")
     backend = init_torchrun_group(ep_size, torch.cuda.is_available() and device != "cpu",
-                                  f"parallel.ep_size={ep_size}")
-    log(f"expert parallel: EP size {ep_size} over torch.distributed ({backend})")
-    return dist.group.WORLD, dist.get_rank()
+                                  setting, dp_size=dp_size)
+    groups = init_dp_ep_mesh(dp_size, ep_size)
+    if dp_size == 1:
+        log(f"expert parallel: EP size {ep_size} over torch.distributed ({backend})")
+    else:
+        log(f"DP x EP: {dp_size} x {ep_size} ranks on a (dp, ep) device mesh over "
+            f"torch.distributed ({backend}); experts sharded over ep, replicated over dp")
+    return groups
 
 
 def local_device(device: str) -> str:
@@ -138,3 +150,45 @@ def reduce_step_totals(group: Any, nll_sum: Tensor, num_loss: int, stop: bool
     n, stops = (int(v) for v in totals[1:].tolist())
     return totals[0], n, bool(stops)
 
+
+
+def write_once_per_dp_group(groups: Any, write: Callable[[], T], where: T, what: str) -> T:
+    """Under DP x EP, dp rank 0 of each ep shard runs ``write`` (its shard's files) while
+    the other dp ranks, which hold the same state, only wait; then every rank agrees that
+    all writes succeeded (one all-reduce over WORLD, like :func:`rank0_first`), so a write
+    that fails stops every rank at once instead of leaving them in the next collective.
+
+    Args:
+        groups: :class:`lrmoe.parallel.group.DpEpGroups` or None (single process).
+        write: the write; its result is returned on the writers.
+        where: what the non-writers return (the writer's path).
+        what: for the error message.
+
+    Returns:
+        ``write()`` on writers (every rank when there is no dp group), ``where`` on the
+        others.
+
+    Raises:
+        whatever ``write`` raises on a writer; RuntimeError on the other ranks when a
+        writer failed.
+    """
+    if groups is None or groups.dp is None:
+        return write()
+    import torch.distributed as dist
+
+    def agree(ok: bool) -> bool:
+        flag = torch.tensor([0.0 if ok else 1.0], device=_comm_device())
+        dist.all_reduce(flag, group=groups.world)
+        return float(flag) == 0.0
+
+    value = where
+    if groups.dp_rank == 0:
+        try:
+            value = write()
+        except BaseException:
+            agree(False)
+            raise
+    if not agree(True):
+        raise RuntimeError(f"a writer rank failed while {what} (its message is above); rank "
+                           f"{groups.rank} stops too")
+    return value

@@ -112,7 +112,8 @@ class Trainer:
         FileExistsError: a fresh run into an ``out_dir`` that holds a run, without
             ``overwrite``.
         ValueError: a config incompatible with the checkpoint (names each field), a bad
-            device, E not divisible by the EP size.
+            device, E not divisible by the EP size, a torchrun world size other than
+            parallel.dp_size x parallel.ep_size or ranks started with other sizes.
         FileNotFoundError: missing checkpoint, ``init_from`` or tokenizer.
     """
 
@@ -122,15 +123,19 @@ class Trainer:
         cfg.validate()
         self.cfg, self.overwrite, self.step_callback = cfg, overwrite, step_callback
         self.tokenizer = self._check_inputs()
-        self.group, self.rank = dist_io.join(cfg.parallel.ep_size, cfg.run.device)
+        # DP x EP: WORLD for the data-parallel sums, the mesh's ep group for the layers
+        self.groups = dist_io.join(cfg.parallel.ep_size, cfg.run.device,
+                                   cfg.parallel.dp_size)
+        g = self.groups
+        self.group, self.rank = (g.world, g.rank) if g is not None else (None, 0)
+        self.ep_group, self.dp_group = (g.ep, g.dp) if g is not None else (None, None)
+        self.ep_rank, self.dp_rank = (g.ep_rank, g.dp_rank) if g is not None else (0, 0)
         self.device = _resolve_device(dist_io.local_device(cfg.run.device))
-        # ranks > 0 keep their files (expert shards) in out_dir/ep-rank-r
-        self.out_dir = Path(cfg.run.out_dir)
-        if self.rank > 0:
-            self.out_dir = self.out_dir / f"ep-rank-{self.rank}"
-            if resume is not None:  # this rank's shard of the same checkpoint
-                c = Path(resume)
-                resume = c.parent.parent / f"ep-rank-{self.rank}" / c.parent.name / c.name
+        # ep ranks > 0 keep their files (expert shards) in out_dir/ep-rank-e, dp ranks > 0
+        # only their logs below that (checkpoint.rank_dir)
+        self.out_dir = ckpt_io.rank_dir(cfg.run.out_dir, self.ep_rank, self.dp_rank)
+        if resume is not None:  # this rank's shard of the same checkpoint
+            resume = ckpt_io.shard_checkpoint(resume, self.ep_rank)
         # expert shards are saved per rank only when there is more than one rank: at EP
         # size 1 rank 0 holds every expert and writes an ordinary transformers checkpoint
         self.sharded = cfg.parallel.ep_size > 1
@@ -180,9 +185,9 @@ class Trainer:
         ckpt = self.resume_from
         assert ckpt is not None
         if not (ckpt / ckpt_io.STATE_FILE).is_file():
-            if self.rank > 0:
+            if self.ep_rank > 0:
                 raise FileNotFoundError(
-                    f"no checkpoint of EP rank {self.rank} at {ckpt}: the checkpoint was "
+                    f"no checkpoint of EP rank {self.ep_rank} at {ckpt}: the checkpoint was "
                     "written with another EP size (or without --ep); resume with the --ep "
                     "it was saved with")
             raise FileNotFoundError(f"{ckpt} is not a checkpoint (no {ckpt_io.STATE_FILE}); "
@@ -256,7 +261,7 @@ class Trainer:
                                  "data files or the tokenizer changed):\n  " + "\n  ".join(diffs))
 
         self.model = self._build_model()
-        patched = patch_moe_blocks(self.model, ep_group=self.group,
+        patched = patch_moe_blocks(self.model, ep_group=self.ep_group,
                                    policy=placement_from_config(cfg.parallel),
                                    **cfg.lrmoe_settings)
         if not patched:
@@ -286,7 +291,8 @@ class Trainer:
                                                          self.decay_steps)
         position = self._state["data_position"] if self._state is not None else {}
         self.stream = BatchStream(
-            self.data.train, d.batch_size, cfg.run.seed, world=cfg.parallel.ep_size,
+            self.data.train, d.batch_size, cfg.run.seed,
+            world=cfg.parallel.ep_size * cfg.parallel.dp_size,
             rank=self.rank, isolate_examples=d.isolate_examples,
             **{k: int(v) for k, v in position.items()})
         self.tokens_seen, self.elapsed_before = 0, 0.0
@@ -379,15 +385,20 @@ class Trainer:
             "elapsed_s": float(self.elapsed_before + time.perf_counter() - self._t_start),
             "metrics_bytes": int(metrics.stat().st_size),
             "data_fingerprint": self.data_fingerprint,
-            "ep_size": int(self.cfg.parallel.ep_size), "ep_rank": int(self.rank)}
+            "ep_size": int(self.cfg.parallel.ep_size), "ep_rank": int(self.ep_rank),
+            "dp_size": int(self.cfg.parallel.dp_size)}
         if self.cfg.parallel.policy is not None:  # symi plans from the last step's loads
             from lrmoe.parallel.replicas import placement_state
             state["placement"] = placement_state(self.lrmoe_layers)
-        final = ckpt_io.save_checkpoint(
-            self.out_dir, self.step, model=self.model, cfg=self.cfg, state=state,
+        # DP x EP: the dp replicas of a shard hold the same state; dp rank 0 writes it
+        shard_dir = ckpt_io.rank_dir(self.cfg.run.out_dir, self.ep_rank)
+        final = dist_io.write_once_per_dp_group(self.groups, lambda: ckpt_io.save_checkpoint(
+            shard_dir, self.step, model=self.model, cfg=self.cfg, state=state,
             tokenizer_path=self.data.tokenizer_path, metrics_path=metrics,
-            sharded_rank=self.rank if self.sharded else None,
-            keep=self.cfg.run.keep_checkpoints)
+            sharded_rank=self.ep_rank if self.sharded else None,
+            keep=self.cfg.run.keep_checkpoints),
+            shard_dir / "checkpoints" / f"{ckpt_io.CHECKPOINT_PREFIX}{self.step:08d}",
+            "saving a checkpoint")
         self._last_saved_step, self.last_checkpoint = self.step, final
         return final
 
@@ -435,8 +446,9 @@ class Trainer:
             from lrmoe import parallel
 
             # loss = mean of the ranks' losses: average dense grads, scale expert grads
-            parallel.allreduce_non_expert_grads(self.model, self.group)
-            grad_norm = parallel.clip_grad_norm_(self.model, max_norm, self.group)
+            parallel.allreduce_non_expert_grads(self.model, self.group,
+                                                dp_group=self.dp_group)
+            grad_norm = parallel.clip_grad_norm_(self.model, max_norm, self.ep_group)
             nll_total, num_loss, stop = dist_io.reduce_step_totals(
                 self.group, nll_total, num_loss, self.stop_requested)
             if stop:
@@ -561,8 +573,9 @@ class Trainer:
         if self.rank == 0:
             print_summary(summary)
         if interrupted:
-            ep = cfg.parallel.ep_size
-            launch = (f"torchrun --nproc-per-node {ep} -m lrmoe train --ep {ep}"
+            ep, dp = cfg.parallel.ep_size, cfg.parallel.dp_size
+            flags = f"--ep {ep}" if dp == 1 else f"--dp {dp} --ep {ep}"
+            launch = (f"torchrun --nproc-per-node {ep * dp} -m lrmoe train {flags}"
                       if self.group is not None else "lrmoe train")
             log(f"interrupted at step {self.step}; checkpoint {self.last_checkpoint}. "
                 f"Continue with: {launch} --out {cfg.run.out_dir} --resume")

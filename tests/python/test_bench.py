@@ -384,16 +384,20 @@ def test_cuda_graph_refusals():
     with pytest.raises(ValueError, match="--cuda-graph captures CUDA graphs, but the device"):
         bench_layer(["smoke"], [64], ["uniform"], rates=[0.0], methods=["lrmoe"],
                     device="cpu", dtype="float32", cuda_graph=True)
-    base = dict(hidden_size=8, moe_intermediate_size=4, num_experts=4, top_k=2)
+    base = dict(hidden_size=8, moe_intermediate_size=4, num_experts=4, top_k=2,
+                selection="topk")
     check_capturable(LRMoEConfig(**base))  # lrm + topk replays exactly
     check_capturable(LRMoEConfig(**base, metric="random", selective_backward=False))
     with pytest.raises(ValueError, match="seed that advances every backward"):
         check_capturable(LRMoEConfig(**base, metric="random"))
     with pytest.raises(ValueError, match="seed that advances every backward"):
-        check_capturable(LRMoEConfig(**base, selection="importance"))
+        check_capturable(LRMoEConfig(**{**base, "selection": "importance"}))
     with pytest.raises(ValueError, match="adaptive rate"):
         check_capturable(LRMoEConfig(**base, recalibration_rate=0.3,
                                      retained_mass_target=0.9))
+    with pytest.raises(ValueError, match="offload"):
+        bench_layer(["smoke"], [64], ["uniform"], rates=[0.0], methods=["lrmoe"],
+                    device="cpu", dtype="float32", cuda_graph=True, offload="activations")
     import argparse
     args = add_layer_arguments(argparse.ArgumentParser()).parse_args(
         ["--ep", "2", "--cuda-graph"])

@@ -39,8 +39,8 @@ def test_print_config_is_nested_yaml(capsys):
     assert list(data) == SECTIONS
     assert data["optim"]["lr"] == 1e-3 and data["run"]["tensorboard"] is True
     assert data["data"]["source"] == "gcide" and data["parallel"] == {
-        "ep_size": 1, "policy": None, "memory_budget": None, "resident_bytes": None,
-        "replica_slots": 2}
+        "ep_size": 1, "dp_size": 1, "policy": None, "memory_budget": None,
+        "resident_bytes": None, "replica_slots": 2}
 
 
 def test_nested_yaml_and_flat_yaml_with_a_note(tmp_path, capsys):

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The runtime measurements of one GPU session, most needed first, each under its own time
+# cap, so that a session cut short keeps what finished (docs/performance.md records them):
+#   1. the CUDA build (setup.py build_ext --inplace, LRMOE_CUDA=1; incremental when warm);
+#   2. the GPU tests of the offload, the replicas (host syncs over NCCL at W = 1), the
+#      CUDA-graph replay and the changed kernels;
+#   3. `lrmoe calibrate` -> OUTDIR/costs.json (the simulator's cost file);
+#   4. `lrmoe bench layer` at the Qwen3-30B-A3B and GLM-4.5-Air shapes, 32k tokens, skewed
+#      routing, c in {0, 0.2, 0.3}: LRMoE eager and CUDA-graph rows, dropless, torchtitan
+#      (where importable), with the per-method traces and where_time_goes;
+#   5. experiments/offload_memory.py: gpu-small training with and without activation
+#      offload at c = 0 and 0.3 (peak memory, tokens/s, bytes), and the Qwen3 layer
+#      benchmark with and without offload.
+# Usage: bash scripts/device_measure.sh OUTDIR [STEPS]    (STEPS: offload train steps, 20)
+# Writes at most 8 files: log.txt, costs.json, gpu_tests.txt, layer_bench.md,
+# where_time_goes.md, offload_report.md, results.tar.gz (every json, the bench PNG and the
+# offload runs' metrics), traces.tar.gz. Environment: PYTHON (python3), MAX_JOBS (16),
+# CAP_TESTS / CAP_CALIBRATE / CAP_BENCH / CAP_OFFLOAD (seconds per step).
+set -uo pipefail
+out="${1:?usage: scripts/device_measure.sh OUTDIR [STEPS]}"
+steps="${2:-20}"
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+py="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" LRMOE_CUDA=1
+export MAX_JOBS="${MAX_JOBS:-16}"
+work="$(mktemp -d)"
+t0=$(date +%s)
+log() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$out/log.txt"; }
+pack() {  # everything so far into the two archives (re-made after each step)
+  ( cd "$work" && tar czf "$out/results.tar.gz" --exclude='prof' --exclude='checkpoints' \
+      --exclude='*.pt' --exclude='*.safetensors' . 2>/dev/null )
+  [[ -d "$work/prof" ]] && ( cd "$work/prof" && tar czf "$out/traces.tar.gz" . )
+  return 0
+}
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } \
+  >> "$out/log.txt" 2>&1
+"$py" setup.py build_ext --inplace > "$work/build.log" 2>&1 \
+  || { tail -40 "$work/build.log" >> "$out/log.txt"; log "build FAILED"; pack; exit 1; }
+log "build done"
+
+timeout "${CAP_TESTS:-120}" "$py" -m pytest -q -ra -p no:cacheprovider -m gpu \
+  tests/python/test_offload.py tests/python/test_replicas.py tests/python/test_layer_gpu.py \
+  tests/python/test_cuda_ops_lrmoe.py tests/python/test_cuda_ops_movement.py \
+  > "$out/gpu_tests.txt" 2>&1
+log "gpu tests rc $? ($(grep -E 'passed|failed' "$out/gpu_tests.txt" | tail -1))"
+
+timeout "${CAP_CALIBRATE:-150}" "$py" -m lrmoe calibrate --device cuda --out "$out/costs.json" \
+  > "$work/calibrate.txt" 2>&1
+log "calibrate rc $?"
+pack
+
+methods=(lrmoe dropless)
+"$py" -c "import sys; from lrmoe.bench.torchtitan_moe import torchtitan_missing as m; \
+sys.exit(m() is not None)" 2>/dev/null && methods+=(torchtitan)
+timeout "${CAP_BENCH:-200}" "$py" -m lrmoe bench layer --shapes qwen3-30b-a3b glm-4.5-air \
+  --tokens 32768 --routing skewed --rates 0 0.2 0.3 --methods "${methods[@]}" --cuda-graph \
+  --iters 10 --warmup 3 --profile-dir "$work/prof" --out "$work/bench" \
+  > "$work/bench_stdout.txt" 2>&1
+log "bench rc $? (methods ${methods[*]})"
+cp "$work/bench/layer_bench.md" "$out/" 2>/dev/null
+cp "$work/prof/where_time_goes.md" "$out/" 2>/dev/null
+pack
+
+timeout "${CAP_OFFLOAD:-220}" "$py" experiments/offload_memory.py --device cuda --steps "$steps" \
+  --out "$work/offload" > "$work/offload_stdout.txt" 2>&1
+log "offload rc $?"
+cp "$work/offload/report.md" "$out/offload_report.md" 2>/dev/null
+pack
+log "done"
