@@ -117,6 +117,28 @@ def _add_plan_parser(sub: Any) -> None:
     p.set_defaults(func=run_plan)
 
 
+def _add_calibrate_parser(sub: Any) -> None:
+    """``lrmoe calibrate ...``: the simulator's cost model (lrmoe/calibrate.py)."""
+    from lrmoe.calibrate import add_calibrate_arguments, calibrate
+
+    p = sub.add_parser(
+        "calibrate", help="measure the cluster simulator's cost model on this device",
+        description=(
+            "Time grouped-GEMM forward/backward over a grid of experts per rank and rows per "
+            "expert, the other MoE kernels per row, copy and host-to-device bandwidth, and "
+            "write them to a cost file for `lrmoe sim` (docs/simulation.md)."),
+        formatter_class=_HelpFormatter)
+    add_calibrate_arguments(p)
+
+    def _cmd(args: argparse.Namespace) -> int:
+        res = calibrate(args.out, args.device, args.shapes, args.quick, args.iters,
+                        command="lrmoe " + " ".join(args.raw_argv))
+        print(f"calibrate: {res['meta']['device']}: wrote {args.out} "
+              f"({res['meta']['seconds']:.0f} s)")
+        return 0
+    p.set_defaults(func=_cmd)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``lrmoe`` argument parser with its subcommands (``train``; ``bench layer``
     where :mod:`lrmoe.bench` exists)."""
@@ -127,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_parser(sub)
     _add_bench_parser(sub)
     _add_plan_parser(sub)
+    _add_calibrate_parser(sub)
     return parser
 
 
