@@ -85,35 +85,51 @@ double gemm_ms(const std::vector<GemmPoint>& grid, double k, double rows, bool b
   return GemmTable(grid).ms(k, rows, backward);
 }
 
-double all_to_all_ms(const std::vector<int64_t>& M_WW, int32_t W, double row_bytes,
-                     const LinkModel& link, double* link_bytes) {
+namespace {
+
+// Per rank: rows (or bytes) sent and received over NVLink (same node) and the network.
+struct LinkSums {
+  std::vector<double> intra_out, intra_in, inter_out, inter_in;
+  explicit LinkSums(int32_t W) : intra_out(W, 0), intra_in(W, 0), inter_out(W, 0), inter_in(W, 0) {}
+  void add(int32_t s, int32_t d, double v, int32_t G) {
+    if (s == d || v == 0) return;  // rows to itself never touch a link
+    if (s / G == d / G) {
+      intra_out[s] += v; intra_in[d] += v;
+    } else {
+      inter_out[s] += v; inter_in[d] += v;
+    }
+  }
+};
+
+// The all-to-all time of `sums` (x row_bytes), or of its transpose (sent <-> received).
+double sums_ms(const LinkSums& m, int32_t W, double row_bytes, const LinkModel& link,
+               bool transpose, double* link_bytes) {
   if (link.gpus_per_node < 1) throw std::invalid_argument("gpus_per_node must be >= 1");
-  const int32_t G = link.gpus_per_node;
-  const bool multi_node = W > G;
+  const bool multi_node = W > link.gpus_per_node;
   double worst = 0.0, total = 0.0;
   for (int32_t r = 0; r < W; ++r) {
-    double intra_out = 0, intra_in = 0, inter_out = 0, inter_in = 0;
-    for (int32_t d = 0; d < W; ++d) {
-      if (d == r) continue;
-      const double out = static_cast<double>(M_WW[static_cast<size_t>(r) * W + d]) * row_bytes;
-      const double in = static_cast<double>(M_WW[static_cast<size_t>(d) * W + r]) * row_bytes;
-      if (d / G == r / G) {
-        intra_out += out; intra_in += in;
-      } else {
-        inter_out += out; inter_in += in;
-      }
-    }
-    total += intra_out + inter_out;
+    const double io = std::max(m.intra_out[r], m.intra_in[r]) * row_bytes;
+    const double xo = std::max(m.inter_out[r], m.inter_in[r]) * row_bytes;
+    total += (transpose ? m.intra_in[r] + m.inter_in[r] : m.intra_out[r] + m.inter_out[r]) * row_bytes;
     double t = 0.0;
-    if (W > 1)
-      t = link.intra_latency_us * 1e-3 + transfer_ms(std::max(intra_out, intra_in), link.intra_GBps);
-    if (multi_node)
-      t = std::max(t, link.inter_latency_us * 1e-3 +
-                          transfer_ms(std::max(inter_out, inter_in), link.inter_GBps));
+    if (W > 1) t = link.intra_latency_us * 1e-3 + transfer_ms(io, link.intra_GBps);
+    if (multi_node) t = std::max(t, link.inter_latency_us * 1e-3 + transfer_ms(xo, link.inter_GBps));
     worst = std::max(worst, t);
   }
   if (link_bytes) *link_bytes = total;
   return worst;
+}
+
+}  // namespace
+
+double all_to_all_ms(const std::vector<int64_t>& M_WW, int32_t W, double row_bytes,
+                     const LinkModel& link, double* link_bytes) {
+  if (link.gpus_per_node < 1) throw std::invalid_argument("gpus_per_node must be >= 1");
+  LinkSums m(W);
+  for (int32_t s = 0; s < W; ++s)
+    for (int32_t d = 0; d < W; ++d)
+      m.add(s, d, static_cast<double>(M_WW[static_cast<size_t>(s) * W + d]), link.gpus_per_node);
+  return sums_ms(m, W, row_bytes, link, false, link_bytes);
 }
 
 LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& in,
@@ -138,12 +154,14 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
   }
   const double rb = static_cast<double>(cfg.hidden * cfg.elem_bytes);  // one activation row
   // rows per (source, rank) and per-rank counts
-  std::vector<int64_t> Mf(Wz * Wz, 0), Mb(Wz * Wz, 0), P_W(Wz, 0), R_W(Wz, 0);
+  if (cfg.link.gpus_per_node < 1) throw std::invalid_argument("gpus_per_node must be >= 1");
+  const int32_t G = cfg.link.gpus_per_node;
+  std::vector<int64_t> P_W(Wz, 0), R_W(Wz, 0), recv_f_W(Wz, 0), recv_b_W(Wz, 0);
   std::vector<int32_t> kf_W(Wz, 0), kb_W(Wz, 0);
+  LinkSums Mf(W), Mb(W), rep_f(W), rep_b(W);
   // replica weights stream per layer (ultraep, lrmoe); symi places its copies with the
   // weight update of the step before, off the layer's critical path
   const bool stream = plan.policy != planner::PolicyKind::kSymi;
-  std::vector<double> rep_f(Wz * Wz, 0), rep_b(Wz * Wz, 0);
   for (int32_t s = 0; s < W; ++s)
     for (int32_t e = 0; e < E; ++e) P_W[s] += in.load_WE[static_cast<size_t>(s) * E + e];
   for (int32_t e = 0; e < E; ++e) {
@@ -154,20 +172,22 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
       for (int32_t s = 0; s < W; ++s) {
         const int64_t fi = plan.forward_IW[static_cast<size_t>(i) * W + s];
         const int64_t bi = plan.retained_IW[static_cast<size_t>(i) * W + s];
-        Mf[static_cast<size_t>(s) * W + r] += fi;
-        Mb[static_cast<size_t>(s) * W + r] += bi;
+        Mf.add(s, r, static_cast<double>(fi), G);
+        Mb.add(s, r, static_cast<double>(bi), G);
         R_W[s] += bi;
         f += fi;
         b += bi;
       }
       kf_W[r] += f > 0;
       kb_W[r] += b > 0;
+      recv_f_W[r] += f;
+      recv_b_W[r] += b;
       if (i != plan.instance_offsets[e] && stream) {
         // weights to the replica for the forward, again for the backward (the slot is
         // reused across layers), its gradient reduced back into the owner's
-        rep_f[static_cast<size_t>(owner) * W + r] += static_cast<double>(in.memory.expert_weight_bytes);
-        rep_b[static_cast<size_t>(owner) * W + r] += static_cast<double>(in.memory.expert_weight_bytes);
-        rep_b[static_cast<size_t>(r) * W + owner] += static_cast<double>(in.memory.expert_grad_bytes);
+        rep_f.add(owner, r, static_cast<double>(in.memory.expert_weight_bytes), G);
+        rep_b.add(owner, r, static_cast<double>(in.memory.expert_weight_bytes), G);
+        rep_b.add(r, owner, static_cast<double>(in.memory.expert_grad_bytes), G);
       }
     }
   }
@@ -175,11 +195,7 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
   const int64_t rbi = cfg.hidden * cfg.elem_bytes;
   if (cfg.per_rank_bytes) res.sent_bytes_5W.assign(5 * Wz, 0);
   for (int32_t s = 0; cfg.per_rank_bytes && s < W; ++s) {
-    int64_t recv_f = 0, recv_b = 0;
-    for (int32_t d = 0; d < W; ++d) {
-      recv_f += Mf[static_cast<size_t>(d) * W + s];
-      recv_b += Mb[static_cast<size_t>(d) * W + s];
-    }
+    const int64_t recv_f = recv_f_W[s], recv_b = recv_b_W[s];
     res.sent_bytes_5W[0 * Wz + s] = P_W[s] * rbi;
     res.sent_bytes_5W[1 * Wz + s] = recv_f * (rbi + 4);
     res.sent_bytes_5W[2 * Wz + s] = R_W[s] * rbi;
@@ -202,20 +218,14 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
       *t = kNaN;
     return res;
   }
-  // transposes: combine and dx go back from expert ranks to sources
-  std::vector<int64_t> MfT(Wz * Wz), MbT(Wz * Wz);
-  for (size_t s = 0; s < Wz; ++s)
-    for (size_t d = 0; d < Wz; ++d) {
-      MfT[d * Wz + s] = Mf[s * Wz + d];
-      MbT[d * Wz + s] = Mb[s * Wz + d];
-    }
   const PerRowCosts& c = cfg.cost.per_row;
   const GemmTable gemm(cfg.cost.gemm);
   double b1 = 0, b2 = 0, b3 = 0, b4 = 0;
-  res.dispatch_ms = all_to_all_ms(Mf, W, rb, cfg.link, &b1);
-  res.combine_ms = all_to_all_ms(MfT, W, rb + 4, cfg.link, &b2);
-  res.grad_a2a_ms = all_to_all_ms(Mb, W, rb + 4, cfg.link, &b3);
-  res.dx_a2a_ms = all_to_all_ms(MbT, W, rb, cfg.link, &b4);
+  // combine and dx go back from expert ranks to sources: the transposes
+  res.dispatch_ms = sums_ms(Mf, W, rb, cfg.link, false, &b1);
+  res.combine_ms = sums_ms(Mf, W, rb + 4, cfg.link, true, &b2);
+  res.grad_a2a_ms = sums_ms(Mb, W, rb + 4, cfg.link, false, &b3);
+  res.dx_a2a_ms = sums_ms(Mb, W, rb, cfg.link, true, &b4);
   res.fwd_link_bytes = b1 + b2;
   res.bwd_link_bytes = b3 + b4;
   double pre_f = 0, post_f = 0, pre_b = 0, post_b = 0, gf = 0, gb = 0, d2h = 0, h2d = 0;
@@ -240,13 +250,8 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
   res.src_bwd_ms = pre_b + post_b;
   res.expert_bwd_ms = gb;
   double rep_f_bytes = 0, rep_b_bytes = 0;
-  std::vector<int64_t> ones_f(Wz * Wz), ones_b(Wz * Wz);
-  for (size_t j = 0; j < Wz * Wz; ++j) {
-    ones_f[j] = static_cast<int64_t>(rep_f[j]);
-    ones_b[j] = static_cast<int64_t>(rep_b[j]);
-  }
-  const double t_rep_f = all_to_all_ms(ones_f, W, 1.0, cfg.link, &rep_f_bytes);
-  const double t_rep_b = all_to_all_ms(ones_b, W, 1.0, cfg.link, &rep_b_bytes);
+  const double t_rep_f = sums_ms(rep_f, W, 1.0, cfg.link, false, &rep_f_bytes);
+  const double t_rep_b = sums_ms(rep_b, W, 1.0, cfg.link, false, &rep_b_bytes);
   res.replica_bytes = rep_f_bytes + rep_b_bytes;
   const bool any_rep = res.replica_bytes > 0;
   // replica weights stream while the sources route and dispatch; their backward copies
