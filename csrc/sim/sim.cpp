@@ -169,15 +169,40 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
     for (int32_t i = plan.instance_offsets[e]; i < plan.instance_offsets[e + 1]; ++i) {
       const int32_t r = plan.instance_rank[i];
       int64_t f = 0, b = 0;
+      const int64_t* F_W = plan.forward_IW.data() + static_cast<size_t>(i) * W;
+      const int64_t* B_W = plan.retained_IW.data() + static_cast<size_t>(i) * W;
+      // rows from the sources of r's node, and from all (the rest cross the network)
+      int64_t f_node = 0, b_node = 0;
+      const int32_t n0 = (r / G) * G, n1 = std::min(W, n0 + G);
       for (int32_t s = 0; s < W; ++s) {
-        const int64_t fi = plan.forward_IW[static_cast<size_t>(i) * W + s];
-        const int64_t bi = plan.retained_IW[static_cast<size_t>(i) * W + s];
-        Mf.add(s, r, static_cast<double>(fi), G);
-        Mb.add(s, r, static_cast<double>(bi), G);
-        R_W[s] += bi;
-        f += fi;
-        b += bi;
+        f += F_W[s];
+        b += B_W[s];
+        R_W[s] += B_W[s];
       }
+      for (int32_t s = n0; s < n1; ++s) {
+        f_node += F_W[s];
+        b_node += B_W[s];
+      }
+      // rows a source sends: per source s, to r over NVLink (same node) or the network
+      if (n1 - n0 == W) {  // one node: every other source is on NVLink
+        for (int32_t s = 0; s < W; ++s) {
+          if (s == r) continue;
+          Mf.intra_out[s] += static_cast<double>(F_W[s]);
+          Mb.intra_out[s] += static_cast<double>(B_W[s]);
+        }
+      } else {
+        for (int32_t s = 0; s < W; ++s) {
+          if (s == r) continue;
+          auto& fo = (s >= n0 && s < n1) ? Mf.intra_out : Mf.inter_out;
+          auto& bo = (s >= n0 && s < n1) ? Mb.intra_out : Mb.inter_out;
+          fo[s] += static_cast<double>(F_W[s]);
+          bo[s] += static_cast<double>(B_W[s]);
+        }
+      }
+      Mf.intra_in[r] += static_cast<double>(f_node - F_W[r]);
+      Mb.intra_in[r] += static_cast<double>(b_node - B_W[r]);
+      Mf.inter_in[r] += static_cast<double>(f - f_node);
+      Mb.inter_in[r] += static_cast<double>(b - b_node);
       kf_W[r] += f > 0;
       kb_W[r] += b > 0;
       recv_f_W[r] += f;

@@ -185,6 +185,35 @@ TEST(Sim, AllToAllAcrossNodes) {
   EXPECT_DOUBLE_EQ(bytes, 150000.0);
 }
 
+TEST(Sim, PlanAcrossNodesTimesItsRowMatrix) {
+  // W 4 in nodes of 2, E 4 (expert e on rank e): the dispatch is the all-to-all of the
+  // row matrix M[s][e] = L[s][e], the combine its transpose with 4 more bytes a row
+  planner::PlanInput in = toy_input();
+  in.num_ranks = 4;
+  in.num_experts = 4;
+  in.load_WE = {5, 10, 20, 40, 1, 2, 3, 4, 7, 0, 9, 30, 11, 13, 0, 2};
+  sim::SimConfig cfg = toy_config();
+  cfg.link.gpus_per_node = 2;
+  cfg.link.inter_GBps = 0.25;
+  cfg.link.inter_latency_us = 40.0;
+  std::vector<int64_t> T(16);
+  for (int s = 0; s < 4; ++s)
+    for (int d = 0; d < 4; ++d) T[d * 4 + s] = in.load_WE[s * 4 + d];
+  const sim::LayerResult r = sim::simulate_layer("fixed", in, cfg);
+  ASSERT_TRUE(r.feasible);
+  double bytes = 0;
+  EXPECT_DOUBLE_EQ(r.dispatch_ms, sim::all_to_all_ms(in.load_WE, 4, 1000.0, cfg.link, &bytes));
+  EXPECT_DOUBLE_EQ(r.combine_ms, sim::all_to_all_ms(T, 4, 1004.0, cfg.link));
+  EXPECT_DOUBLE_EQ(r.grad_a2a_ms, sim::all_to_all_ms(in.load_WE, 4, 1004.0, cfg.link));
+  EXPECT_DOUBLE_EQ(r.dx_a2a_ms, sim::all_to_all_ms(T, 4, 1000.0, cfg.link));
+  // off-diagonal rows: 70 + 8 + 37 + 24 = 139 of 1000 B out; 139 x 1004 back
+  EXPECT_DOUBLE_EQ(bytes, 139000.0);
+  EXPECT_DOUBLE_EQ(r.fwd_link_bytes, 139000.0 + 139 * 1004.0);
+  // by hand, rank 0 over the network: sends 20 + 40 rows, receives 7 + 11: 60 x 1000 B
+  // at 0.25 GB/s = 0.24 ms + 0.04; rank 3 sends 11 + 13, receives 40 + 4: 0.176 + 0.04
+  EXPECT_DOUBLE_EQ(r.dispatch_ms, 0.28);
+}
+
 TEST(Sim, ReplicaTrafficPerLayerButNotForSymi) {
   // a hot expert on 2 ranks: every replica streams its weights twice and its gradient
   // back (2 x 100 + 200 bytes) under ultraep; symi places copies with the weight update
