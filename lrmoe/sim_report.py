@@ -75,6 +75,9 @@ def add_sim_arguments(p) -> None:
                    help="target validation losses of Table 1")
     p.add_argument("--scale", nargs="*", type=int, default=[],
                    help="cluster sizes for cost per token vs W (e.g. 64 128 256 512 1024)")
+    p.add_argument("--validate", default=None, metavar="LAYER_BENCH.json",
+                   help="also compare the one-GPU simulation with `lrmoe bench layer` "
+                        "results (fwd/bwd per shape, tokens and c; target within 10 %%)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="sim-out", help="folder for sim.json and the PNGs")
@@ -135,6 +138,8 @@ def run_sim(args) -> dict:
         out["table1"] = table1(args.results, args.targets, args.rate, out["policies"])
     if args.scale:
         out["scale"] = scale(args, shape, costs, links, layers)
+    if args.validate:
+        out["validation"] = validate(args.validate, args.costs, links)
     out["seconds"] = time.time() - t0
     d = Path(args.out)
     d.mkdir(parents=True, exist_ok=True)
@@ -168,6 +173,8 @@ def pressure(args, shape, costs, links, layers) -> dict:
             micro = r["micro_batches"]
             ok = bool((micro > 0).all())
             rows.append(dict(multiplier=m, fits=ok, micro_batches=int(micro.max()),
+                             retained_fraction=float(r["retained"].sum()
+                                                     / max(1.0, r["pairs"].sum())),
                              time_ms=float(r["time_ms"].sum()) if ok else None,
                              one_pass=bool((micro == 1).all()), reason=r["reason"]))
         base = rows[0]["time_ms"] / rows[0]["multiplier"] if rows[0]["time_ms"] else None
@@ -237,6 +244,36 @@ def scale(args, shape, costs, links, layers) -> dict:
                                              us_per_token=_nan(1e3 * ms / args.tokens_per_gpu),
                                              reason=s["reason"]))
     return out
+
+
+def validate(bench_json: str, costs_file: str, links: S.Links) -> List[dict]:
+    """One GPU, simulated vs measured: every ``lrmoe`` record of a ``lrmoe bench layer``
+    JSON whose shape the cost file calibrates, simulated at W = 1 with its tokens and c
+    (the routed pairs spread evenly: at W = 1 the cost model depends only on the total
+    rows of the rank). Returns rows with both times and the relative errors."""
+    records = json.loads(Path(bench_json).read_text())["records"]
+    rows = []
+    cache: Dict[str, S.Costs] = {}
+    for r in records:
+        if r.get("method") != "lrmoe" or r.get("fwd_ms") is None or r["shape"] not in SHAPES:
+            continue
+        try:
+            costs = cache.setdefault(r["shape"], S.Costs.from_file(costs_file, r["shape"]))
+        except ValueError:
+            continue
+        shape = SHAPES[r["shape"]]
+        pairs = r["tokens"] * shape.top_k
+        load = np.full((1, 1, 1, shape.num_experts), pairs // shape.num_experts, np.int64)
+        load[..., : pairs % shape.num_experts] += 1
+        mem = S.memory_model(shape, 1 << 50, 0)
+        res = S.simulate(load, "lrmoe", mem, costs, links, shape.hidden_size,
+                         float(r["rate"] or 0.0), replica_slots=0, threads=1)
+        f, b = float(res["fwd_ms"][0]), float(res["bwd_ms"][0])
+        rows.append(dict(shape=r["shape"], tokens=r["tokens"], routing=r["routing"],
+                         rate=r["rate"], bench_fwd_ms=r["fwd_ms"], sim_fwd_ms=f,
+                         bench_bwd_ms=r["bwd_ms"], sim_bwd_ms=b,
+                         fwd_rel_err=f / r["fwd_ms"] - 1, bwd_rel_err=b / r["bwd_ms"] - 1))
+    return rows
 
 
 # ------------------------------------------------------------------------------ plots
@@ -319,6 +356,10 @@ def print_summary(out: dict) -> None:
         print(f"  {LABELS[p]:>20}: fwd {v['fwd_ms']:.2f} bwd {v['bwd_ms']:.2f} ms/layer, "
               f"memory {v['memory_peak'] / GiB:.2f} GiB, feasible {v['feasible']:.0%}"
               + (f" ({v['reason'][:80]})" if v["feasible"] < 1 else ""))
+    for v in out.get("validation", []):
+        print(f"  validate {v['shape']} T={v['tokens']} {v['routing']} c={v['rate']}: fwd "
+              f"{v['sim_fwd_ms']:.2f} vs {v['bench_fwd_ms']:.2f} ({v['fwd_rel_err']:+.1%}), bwd "
+              f"{v['sim_bwd_ms']:.2f} vs {v['bench_bwd_ms']:.2f} ({v['bwd_rel_err']:+.1%})")
     for row in out.get("table1", []):
         print("  table1 loss {target_loss}: ".format(**row) + ", ".join(
             f"{LABELS[p]} {row[p]:.2f} min" if row.get(p) is not None else f"{LABELS[p]} -"
