@@ -52,6 +52,7 @@ class Costs:
         per_row: ms per pair of each of :data:`PER_ROW`.
         h2d_GBps: host-to-device bandwidth (0 where the file has none: offload untimed).
         meta: the file's ``meta`` (machine, device, torch, date).
+        copy_GBps: device copy bandwidth, bytes read + written (0 where not measured).
     """
 
     shape: str
@@ -60,6 +61,13 @@ class Costs:
     per_row: Dict[str, float]
     h2d_GBps: float
     meta: dict
+    copy_GBps: float = 0.0
+
+    @property
+    def self_copy_GBps(self) -> float:
+        """GB/s of a rank's all-to-all rows to itself: one read and one write per byte,
+        so half the measured copy bandwidth (docs/simulation.md, "Links")."""
+        return self.copy_GBps / 2
 
     @classmethod
     def from_file(cls, path: str, shape: str) -> "Costs":
@@ -79,7 +87,8 @@ class Costs:
                        p["phases_ms"].get("expert_gemm_bwd", 0.0)] for p in s["points"]],
                      dtype=np.float64)
         return cls(shape, s["dims"], g, {k: float(s["per_row_ms"].get(k, 0.0)) for k in PER_ROW},
-                   float(data["bandwidth"].get("h2d_GBps") or 0.0), data["meta"])
+                   float(data["bandwidth"].get("h2d_GBps") or 0.0), data["meta"],
+                   float(data["bandwidth"].get("copy_GBps") or 0.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,9 +132,11 @@ class Links:
                for k in ("source", "latency_source")}
         return cls(str(d.get("name", p.stem)), sources=src, **vals)
 
-    def as_list(self) -> list:
+    def as_list(self, self_GBps: float = 0.0) -> list:
+        """The op's link list; ``self_GBps``: the device copy of the rows a rank sends
+        itself (:meth:`Costs.self_copy_GBps`; 0: free)."""
         return [float(self.gpus_per_node), self.intra_GBps, self.intra_latency_us,
-                self.inter_GBps, self.inter_latency_us]
+                self.inter_GBps, self.inter_latency_us, float(self_GBps)]
 
 
 def cluster_loads(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k: int,
@@ -234,8 +245,9 @@ def simulate(load_SLWE: np.ndarray, policy: str, memory: MemoryModel, costs: Cos
             float(recalibration_rate), "proportional", int(replica_slots), int(symi_slots),
             float(max_expert_cut), 0, int(min_replica_rows),
             -1.0 if balance_slack is None else float(balance_slack), gemm, per_row,
-            links.as_list(), [int(hidden), int(elem_bytes), int(offload_row_bytes),
-                              int(per_rank_bytes)], bool(offload), costs.h2d_GBps,
+            links.as_list(costs.self_copy_GBps),
+            [int(hidden), int(elem_bytes), int(offload_row_bytes), int(per_rank_bytes)],
+            bool(offload), costs.h2d_GBps,
             int(threads), prev, float(multiplier), int(max_micro_batches))
         prev = chunk[-1]
         parts.append(fields.numpy())

@@ -17,6 +17,7 @@ baselines run at c = 0, lrmoe at ``--rate``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -276,7 +277,9 @@ def validate(bench_json: str, costs_file: str, links: S.Links) -> List[dict]:
         load = np.full((1, 1, 1, shape.num_experts), pairs // shape.num_experts, np.int64)
         load[..., : pairs % shape.num_experts] += 1
         mem = S.memory_model(shape, 1 << 50, 0)
-        res = S.simulate(load, "lrmoe", mem, costs, links, shape.hidden_size,
+        # the one-device layer has no all-to-all (the EP path's self-copy is not charged)
+        res = S.simulate(load, "lrmoe", mem, dataclasses.replace(costs, copy_GBps=0.0), links,
+                         shape.hidden_size,
                          float(r["rate"] or 0.0), replica_slots=0, threads=1)
         f, b = float(res["fwd_ms"][0]), float(res["bwd_ms"][0])
         rows.append(dict(shape=r["shape"], tokens=r["tokens"], routing=r["routing"],

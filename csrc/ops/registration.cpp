@@ -53,7 +53,7 @@ TORCH_LIBRARY(lrmoe, m) {
   // float64 (columns: lrmoe/sim.py FIELDS), sent bytes (S*L, 5, W) int64 (empty unless
   // sizes[3]), the first infeasible plan's reason. gemm (G, 4) float64 calibrated points;
   // per_row 10 ms-per-pair costs; link [gpus_per_node, intra GB/s, intra us, inter GB/s,
-  // inter us]; sizes [hidden, elem_bytes, offload_row_bytes, per_rank_bytes];
+  // inter us, self-copy GB/s]; sizes [hidden, elem_bytes, offload_row_bytes, per_rank_bytes];
   // multiplier > 0: batch pressure (up to max_micro micro-batches per layer).
   m.def("sim(Tensor load, str policy, int[] memory_bytes, bool optimizer_on_device, "
         "float recalibration_rate, str quota_rule, int replica_slots, int symi_slots, "

@@ -54,8 +54,8 @@ std::tuple<at::Tensor, at::Tensor, std::string> sim_cpu(
               "forward ms, backward ms; run `lrmoe calibrate` for a cost file");
   LRMOE_CHECK(memory_bytes.size() == 7, "memory_bytes must hold 7 sizes, got ", memory_bytes.size());
   LRMOE_CHECK(per_row.size() == 10, "per_row must hold 10 costs, got ", per_row.size());
-  LRMOE_CHECK(link.size() == 5, "link must hold [gpus_per_node, intra_GBps, intra_latency_us, "
-              "inter_GBps, inter_latency_us], got ", link.size(), " values");
+  LRMOE_CHECK(link.size() == 6, "link must hold [gpus_per_node, intra_GBps, intra_latency_us, "
+              "inter_GBps, inter_latency_us, self_GBps], got ", link.size(), " values");
   LRMOE_CHECK(sizes.size() == 4, "sizes must hold [hidden, elem_bytes, offload_row_bytes, "
               "per_rank_bytes], got ", sizes.size());
   const std::string rule(quota_rule);
@@ -84,7 +84,7 @@ std::tuple<at::Tensor, at::Tensor, std::string> sim_cpu(
   cfg.cost.per_row = {per_row[0], per_row[1], per_row[2], per_row[3], per_row[4],
                       per_row[5], per_row[6], per_row[7], per_row[8], per_row[9]};
   cfg.cost.h2d_GBps = h2d_GBps;
-  cfg.link = {static_cast<int32_t>(link[0]), link[1], link[2], link[3], link[4]};
+  cfg.link = {static_cast<int32_t>(link[0]), link[1], link[2], link[3], link[4], link[5]};
   cfg.hidden = sizes[0];
   cfg.elem_bytes = sizes[1];
   cfg.offload = offload;

@@ -89,10 +89,15 @@ namespace {
 
 // Per rank: rows (or bytes) sent and received over NVLink (same node) and the network.
 struct LinkSums {
-  std::vector<double> intra_out, intra_in, inter_out, inter_in;
-  explicit LinkSums(int32_t W) : intra_out(W, 0), intra_in(W, 0), inter_out(W, 0), inter_in(W, 0) {}
+  std::vector<double> intra_out, intra_in, inter_out, inter_in, self;
+  explicit LinkSums(int32_t W)
+      : intra_out(W, 0), intra_in(W, 0), inter_out(W, 0), inter_in(W, 0), self(W, 0) {}
   void add(int32_t s, int32_t d, double v, int32_t G) {
-    if (s == d || v == 0) return;  // rows to itself never touch a link
+    if (v == 0) return;
+    if (s == d) {  // rows to itself never touch a link: a device copy
+      self[s] += v;
+      return;
+    }
     if (s / G == d / G) {
       intra_out[s] += v; intra_in[d] += v;
     } else {
@@ -114,6 +119,7 @@ double sums_ms(const LinkSums& m, int32_t W, double row_bytes, const LinkModel& 
     double t = 0.0;
     if (W > 1) t = link.intra_latency_us * 1e-3 + transfer_ms(io, link.intra_GBps);
     if (multi_node) t = std::max(t, link.inter_latency_us * 1e-3 + transfer_ms(xo, link.inter_GBps));
+    if (link.self_GBps > 0) t = std::max(t, transfer_ms(m.self[r] * row_bytes, link.self_GBps));
     worst = std::max(worst, t);
   }
   if (link_bytes) *link_bytes = total;
@@ -199,6 +205,8 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
           bo[s] += static_cast<double>(B_W[s]);
         }
       }
+      Mf.self[r] += static_cast<double>(F_W[r]);
+      Mb.self[r] += static_cast<double>(B_W[r]);
       Mf.intra_in[r] += static_cast<double>(f_node - F_W[r]);
       Mb.intra_in[r] += static_cast<double>(b_node - B_W[r]);
       Mf.inter_in[r] += static_cast<double>(f - f_node);

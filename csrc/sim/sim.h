@@ -46,6 +46,9 @@ struct LinkModel {
   int32_t gpus_per_node = 8;
   double intra_GBps = 0, intra_latency_us = 0;  // NVLink
   double inter_GBps = 0, inter_latency_us = 0;  // network (RDMA)
+  // rows a rank sends itself never touch a link, but NCCL copies them on the device:
+  // GB/s of that copy (bytes counted once; 0: free)
+  double self_GBps = 0;
 };
 
 struct SimConfig {
@@ -77,8 +80,9 @@ double gemm_ms(const std::vector<GemmPoint>& grid, double k, double rows, bool b
 
 // Time of one all-to-all with row matrix M_WW (M[s][d] rows from s to d, row_bytes
 // each): per rank the larger of its sent and received bytes over each link class
-// (rows to itself never touch a link), intra- and inter-node links in parallel, plus
-// the latency of each class the group spans; the slowest rank decides.
+// (rows to itself are a device copy at self_GBps), intra- and inter-node links and the
+// self copy in parallel, plus the latency of each link class the group spans; the
+// slowest rank decides.
 double all_to_all_ms(const std::vector<int64_t>& M_WW, int32_t W, double row_bytes,
                      const LinkModel& link, double* link_bytes = nullptr);
 

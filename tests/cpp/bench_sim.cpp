@@ -64,7 +64,7 @@ int main(int argc, char** argv) {
   cfg.cost.per_row = {0, 0.53 / 262144, 0.34 / 262144, 0,
                       0, 0.04 / 262144, 0.14 / 262144, 0, 1.02 / 262144, 0.33 / 262144};
   cfg.cost.h2d_GBps = 50;
-  cfg.link = {8, 370, 10, 50, 20};
+  cfg.link = {8, 370, 10, 50, 20, 2100};
   cfg.hidden = H;
 
   const int64_t chunk = 8;

@@ -102,6 +102,21 @@ TEST(Sim, ToyClusterTimesAndBytesExact) {
   EXPECT_DOUBLE_EQ(r.fwd_imbalance, 1.0);
 }
 
+TEST(Sim, SelfRowsAreADeviceCopy) {
+  // at 0.5 GB/s of self copy, rank 1's 40 own rows (40000 B) take 0.08 ms, longer than
+  // its links (0.03 ms); at EP size 1 the copy is all there is: 100 rows, 0.2 ms
+  sim::SimConfig cfg = toy_config();
+  cfg.link.self_GBps = 0.5;
+  EXPECT_DOUBLE_EQ(sim::simulate_layer("fixed", toy_input(), cfg).dispatch_ms, 0.08);
+  planner::PlanInput one = toy_input();
+  one.num_ranks = 1;
+  one.load_WE = {50, 50};
+  const sim::LayerResult r = sim::simulate_layer("fixed", one, cfg);
+  EXPECT_DOUBLE_EQ(r.dispatch_ms, 0.2);
+  EXPECT_DOUBLE_EQ(r.combine_ms, 100 * 1004.0 / 0.5e6);
+  EXPECT_DOUBLE_EQ(r.fwd_link_bytes, 0.0);
+}
+
 TEST(Sim, RecalibrationShrinksBackwardOnly) {
   // lrmoe with no replica slots is fixed ownership plus quotas: c = 0.5 keeps
   // floor(0.5 x 50) = 25 rows of each expert, split over sources 30:20 -> 15, 10 and
