@@ -89,10 +89,10 @@ namespace {
 
 // Per rank: rows (or bytes) sent and received over NVLink (same node) and the network.
 struct LinkSums {
-  std::vector<double> intra_out, intra_in, inter_out, inter_in, self;
+  std::vector<int64_t> intra_out, intra_in, inter_out, inter_in, self;
   explicit LinkSums(int32_t W)
       : intra_out(W, 0), intra_in(W, 0), inter_out(W, 0), inter_in(W, 0), self(W, 0) {}
-  void add(int32_t s, int32_t d, double v, int32_t G) {
+  void add(int32_t s, int32_t d, int64_t v, int32_t G) {
     if (v == 0) return;
     if (s == d) {  // rows to itself never touch a link: a device copy
       self[s] += v;
@@ -113,13 +113,15 @@ double sums_ms(const LinkSums& m, int32_t W, double row_bytes, const LinkModel& 
   const bool multi_node = W > link.gpus_per_node;
   double worst = 0.0, total = 0.0;
   for (int32_t r = 0; r < W; ++r) {
-    const double io = std::max(m.intra_out[r], m.intra_in[r]) * row_bytes;
-    const double xo = std::max(m.inter_out[r], m.inter_in[r]) * row_bytes;
-    total += (transpose ? m.intra_in[r] + m.inter_in[r] : m.intra_out[r] + m.inter_out[r]) * row_bytes;
+    const double io = static_cast<double>(std::max(m.intra_out[r], m.intra_in[r])) * row_bytes;
+    const double xo = static_cast<double>(std::max(m.inter_out[r], m.inter_in[r])) * row_bytes;
+    total += static_cast<double>(transpose ? m.intra_in[r] + m.inter_in[r]
+                                           : m.intra_out[r] + m.inter_out[r]) * row_bytes;
     double t = 0.0;
     if (W > 1) t = link.intra_latency_us * 1e-3 + transfer_ms(io, link.intra_GBps);
     if (multi_node) t = std::max(t, link.inter_latency_us * 1e-3 + transfer_ms(xo, link.inter_GBps));
-    if (link.self_GBps > 0) t = std::max(t, transfer_ms(m.self[r] * row_bytes, link.self_GBps));
+    if (link.self_GBps > 0)
+      t = std::max(t, transfer_ms(static_cast<double>(m.self[r]) * row_bytes, link.self_GBps));
     worst = std::max(worst, t);
   }
   if (link_bytes) *link_bytes = total;
@@ -134,7 +136,7 @@ double all_to_all_ms(const std::vector<int64_t>& M_WW, int32_t W, double row_byt
   LinkSums m(W);
   for (int32_t s = 0; s < W; ++s)
     for (int32_t d = 0; d < W; ++d)
-      m.add(s, d, static_cast<double>(M_WW[static_cast<size_t>(s) * W + d]), link.gpus_per_node);
+      m.add(s, d, M_WW[static_cast<size_t>(s) * W + d], link.gpus_per_node);
   return sums_ms(m, W, row_bytes, link, false, link_bytes);
 }
 
@@ -177,40 +179,33 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
       int64_t f = 0, b = 0;
       const int64_t* F_W = plan.forward_IW.data() + static_cast<size_t>(i) * W;
       const int64_t* B_W = plan.retained_IW.data() + static_cast<size_t>(i) * W;
-      // rows from the sources of r's node, and from all (the rest cross the network)
-      int64_t f_node = 0, b_node = 0;
+      // one pass: source s sends F_W[s] rows to r, over NVLink when s shares r's node,
+      // else over the network; r's own rows are a device copy
       const int32_t n0 = (r / G) * G, n1 = std::min(W, n0 + G);
+      int64_t f_node = 0, b_node = 0;
       for (int32_t s = 0; s < W; ++s) {
-        f += F_W[s];
-        b += B_W[s];
-        R_W[s] += B_W[s];
-      }
-      for (int32_t s = n0; s < n1; ++s) {
-        f_node += F_W[s];
-        b_node += B_W[s];
-      }
-      // rows a source sends: per source s, to r over NVLink (same node) or the network
-      if (n1 - n0 == W) {  // one node: every other source is on NVLink
-        for (int32_t s = 0; s < W; ++s) {
-          if (s == r) continue;
-          Mf.intra_out[s] += static_cast<double>(F_W[s]);
-          Mb.intra_out[s] += static_cast<double>(B_W[s]);
-        }
-      } else {
-        for (int32_t s = 0; s < W; ++s) {
-          if (s == r) continue;
-          auto& fo = (s >= n0 && s < n1) ? Mf.intra_out : Mf.inter_out;
-          auto& bo = (s >= n0 && s < n1) ? Mb.intra_out : Mb.inter_out;
-          fo[s] += static_cast<double>(F_W[s]);
-          bo[s] += static_cast<double>(B_W[s]);
+        const int64_t fi = F_W[s], bi = B_W[s];
+        f += fi;
+        b += bi;
+        R_W[s] += bi;
+        if (s >= n0 && s < n1) {
+          Mf.intra_out[s] += fi;
+          Mb.intra_out[s] += bi;
+          f_node += fi;
+          b_node += bi;
+        } else {
+          Mf.inter_out[s] += fi;
+          Mb.inter_out[s] += bi;
         }
       }
-      Mf.self[r] += static_cast<double>(F_W[r]);
-      Mb.self[r] += static_cast<double>(B_W[r]);
-      Mf.intra_in[r] += static_cast<double>(f_node - F_W[r]);
-      Mb.intra_in[r] += static_cast<double>(b_node - B_W[r]);
-      Mf.inter_in[r] += static_cast<double>(f - f_node);
-      Mb.inter_in[r] += static_cast<double>(b - b_node);
+      Mf.intra_out[r] -= F_W[r];  // counted above as same-node: it is the self copy
+      Mb.intra_out[r] -= B_W[r];
+      Mf.self[r] += F_W[r];
+      Mb.self[r] += B_W[r];
+      Mf.intra_in[r] += f_node - F_W[r];
+      Mb.intra_in[r] += b_node - B_W[r];
+      Mf.inter_in[r] += f - f_node;
+      Mb.inter_in[r] += b - b_node;
       kf_W[r] += f > 0;
       kb_W[r] += b > 0;
       recv_f_W[r] += f;
@@ -218,9 +213,9 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
       if (i != plan.instance_offsets[e] && stream) {
         // weights to the replica for the forward, again for the backward (the slot is
         // reused across layers), its gradient reduced back into the owner's
-        rep_f.add(owner, r, static_cast<double>(in.memory.expert_weight_bytes), G);
-        rep_b.add(owner, r, static_cast<double>(in.memory.expert_weight_bytes), G);
-        rep_b.add(r, owner, static_cast<double>(in.memory.expert_grad_bytes), G);
+        rep_f.add(owner, r, in.memory.expert_weight_bytes, G);
+        rep_b.add(owner, r, in.memory.expert_weight_bytes, G);
+        rep_b.add(r, owner, in.memory.expert_grad_bytes, G);
       }
     }
   }
