@@ -35,7 +35,8 @@ def _want_cuda() -> bool:
 
 def _extension():
     cpp = sorted(glob.glob(os.path.join("csrc", "ops", "*.cpp"))
-                 + glob.glob(os.path.join("csrc", "planner", "*.cpp")))
+                 + glob.glob(os.path.join("csrc", "planner", "*.cpp"))
+                 + glob.glob(os.path.join("csrc", "sim", "*.cpp")))
     # no fused multiply-add contraction: the CPU kernels then round like the CUDA ones
     # (which use explicit __fmul_rn/__fadd_rn where bit equality is tested) on every ISA;
     # GCC contracts by default where FMA exists (aarch64, x86 with -march=native)

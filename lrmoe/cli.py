@@ -167,6 +167,51 @@ def _add_data_parser(sub: Any) -> None:
     w.set_defaults(func=_cmd)
 
 
+def _add_calibrate_parser(sub: Any) -> None:
+    """``lrmoe calibrate ...``: the simulator's cost model (lrmoe/calibrate.py)."""
+    from lrmoe.calibrate import add_calibrate_arguments, calibrate
+
+    p = sub.add_parser(
+        "calibrate", help="measure the cluster simulator's cost model on this device",
+        description=(
+            "Time grouped-GEMM forward/backward over a grid of experts per rank and rows per "
+            "expert, the other MoE kernels per row, copy and host-to-device bandwidth, and "
+            "write them to a cost file for `lrmoe sim` (docs/simulation.md)."),
+        formatter_class=_HelpFormatter)
+    add_calibrate_arguments(p)
+
+    def _cmd(args: argparse.Namespace) -> int:
+        res = calibrate(args.out, args.device, args.shapes, args.quick, args.iters,
+                        command="lrmoe " + " ".join(args.raw_argv))
+        print(f"calibrate: {res['meta']['device']}: wrote {args.out} "
+              f"({res['meta']['seconds']:.0f} s)")
+        return 0
+    p.set_defaults(func=_cmd)
+
+
+def _add_sim_parser(sub: Any) -> None:
+    """``lrmoe sim ...``: the cluster simulator (lrmoe/sim.py, lrmoe/sim_report.py)."""
+    from lrmoe.sim_report import add_sim_arguments
+
+    p = sub.add_parser(
+        "sim", help="simulate MoE layers on a cluster (figures like the paper's; simulated)",
+        description=(
+            "Replay routed loads (a routing trace or synthetic skew) through each placement "
+            "policy and a measured cost model: per-layer time, traffic, memory, feasibility, "
+            "batch pressure and time to loss, as JSON and PNGs (docs/simulation.md). Every "
+            "number is simulated."),
+        formatter_class=_HelpFormatter)
+    add_sim_arguments(p)
+
+    def _cmd(args: argparse.Namespace) -> int:
+        from lrmoe.sim_report import print_summary, run_sim
+        out = run_sim(args)
+        print_summary(out)
+        print(f"lrmoe sim: wrote {args.out}/sim.json and figures ({out['seconds']:.1f} s)")
+        return 0
+    p.set_defaults(func=_cmd)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``lrmoe`` argument parser with its subcommands (``train``; ``bench layer``
     where :mod:`lrmoe.bench` exists)."""
@@ -178,6 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parser(sub)
     _add_plan_parser(sub)
     _add_data_parser(sub)
+
+
+    _add_calibrate_parser(sub)
+    _add_sim_parser(sub)
     return parser
 
 

@@ -52,6 +52,18 @@ TORCH_LIBRARY(lrmoe, m) {
         "Tensor? previous_load, float max_expert_cut, int backward_row_capacity, "
         "int min_replica_rows, float balance_slack) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
         "Tensor, str)");
+  // cluster simulator (csrc/sim), host only: load (S, L, W, E) int -> fields (S*L, 31)
+  // float64 (columns: lrmoe/sim.py FIELDS), sent bytes (S*L, 5, W) int64 (empty unless
+  // sizes[3]), the first infeasible plan's reason. gemm (G, 4) float64 calibrated points;
+  // per_row 10 ms-per-pair costs; link [gpus_per_node, intra GB/s, intra us, inter GB/s,
+  // inter us, self-copy GB/s]; sizes [hidden, elem_bytes, offload_row_bytes, per_rank_bytes];
+  // multiplier > 0: batch pressure (up to max_micro micro-batches per layer).
+  m.def("sim(Tensor load, str policy, int[] memory_bytes, bool optimizer_on_device, "
+        "float recalibration_rate, str quota_rule, int replica_slots, int symi_slots, "
+        "float max_expert_cut, int backward_row_capacity, int min_replica_rows, "
+        "float balance_slack, Tensor gemm, float[] per_row, float[] link, int[] sizes, "
+        "bool offload, float h2d_GBps, int threads, Tensor? previous_load, float multiplier, "
+        "int max_micro) -> (Tensor, Tensor, str)");
 }
 
 // The recalibration rate as the exact fraction p/q that every quota uses

@@ -14,6 +14,8 @@
 // shares them across layers); forward and backward rows where the split puts them.
 #include <algorithm>
 #include <numeric>
+#include <set>
+#include <utility>
 
 #include "planner/common.h"
 #include "planner/policies.h"
@@ -89,6 +91,11 @@ class UltraEPPolicy final : public Policy {
       sum_slack += slack[r];
     }
     if (sum_excess > sum_slack) return false;
+    // candidate targets by (slack desc, rank asc): the first one not hosting e is the
+    // argmax of the oracle (ties to the lower rank), in O(log W) instead of a scan
+    std::set<std::pair<int64_t, int32_t>> open;
+    for (int32_t j = 0; j < W; ++j)
+      if (free_slots[j] > 0 && slack[j] > 0) open.insert({-slack[j], j});
     std::vector<int32_t> hosts;
     for (int32_t r : ranks) {
       if (excess[r] == 0) break;  // ranks are visited by load descending
@@ -98,18 +105,20 @@ class UltraEPPolicy final : public Policy {
         hosts.assign(1, r);
         while (excess[r] > 0 && avail > 0) {
           int32_t t = -1;
-          for (int32_t j = 0; j < W; ++j) {
-            if (free_slots[j] == 0 || slack[j] == 0) continue;
-            if (std::find(hosts.begin(), hosts.end(), j) != hosts.end()) continue;
-            if (t < 0 || slack[j] > slack[t]) t = j;
+          for (const auto& cand : open) {
+            if (std::find(hosts.begin(), hosts.end(), cand.second) != hosts.end()) continue;
+            t = cand.second;
+            break;
           }
           if (t < 0) break;
           const int64_t q = std::min({excess[r], slack[t], avail});
           if (q < in.min_replica_rows) break;  // a replica carries at least u_min rows
           out->push_back({e, t, q});
           hosts.push_back(t);
+          open.erase({-slack[t], t});
           slack[t] -= q;
           free_slots[t] -= 1;
+          if (free_slots[t] > 0 && slack[t] > 0) open.insert({-slack[t], t});
           excess[r] -= q;
           avail -= q;
         }

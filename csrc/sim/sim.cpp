@@ -1,0 +1,378 @@
+// The cluster simulator (sim.h): cost-model interpolation, all-to-all timing and the
+// per-layer, per-trace and batch-pressure drivers. docs/simulation.md gives the model.
+//
+// Legend as in sim.h: W ranks, E experts, I instances, L_WE loads, F_IW / B_IW forward
+// / retained rows, M_WW rows from rank s to rank d.
+#include "sim/sim.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <stdexcept>
+#include <thread>
+
+namespace lrmoe {
+namespace sim {
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// ms to move `bytes` at `GBps` (1e9 bytes/s): bytes / (GBps * 1e6).
+double transfer_ms(double bytes, double GBps) {
+  if (bytes <= 0) return 0.0;
+  if (GBps <= 0) throw std::invalid_argument("a link or copy bandwidth is <= 0 GB/s; set it "
+                                             "in the link config (configs/links/) or cost file");
+  return bytes / (GBps * 1e6);
+}
+
+// One experts-per-rank curve: time at `rows` per expert, linear between the measured
+// rows, the first point's time below it (small GEMMs are launch-bound), the last
+// segment's slope beyond the last point (large GEMMs are throughput-bound).
+double curve_ms(const std::vector<std::pair<double, double>>& pts, double rows) {
+  if (pts.size() == 1) return pts[0].second * std::max(1.0, rows / pts[0].first);
+  if (rows <= pts.front().first) return pts.front().second;
+  for (size_t j = 1; j < pts.size(); ++j) {
+    if (rows <= pts[j].first) {
+      const auto& a = pts[j - 1];
+      const auto& b = pts[j];
+      return a.second + (b.second - a.second) * (rows - a.first) / (b.first - a.first);
+    }
+  }
+  const auto& a = pts[pts.size() - 2];
+  const auto& b = pts.back();
+  const double slope = std::max(0.0, (b.second - a.second) / (b.first - a.first));
+  return b.second + slope * (rows - b.first);
+}
+
+}  // namespace
+
+GemmTable::GemmTable(const std::vector<GemmPoint>& grid) {
+  if (grid.empty()) throw std::invalid_argument("cost model: no grouped-GEMM points; run "
+                                                "`lrmoe calibrate`");
+  std::map<double, std::pair<std::vector<std::pair<double, double>>,
+                             std::vector<std::pair<double, double>>>> by_k;
+  for (const GemmPoint& p : grid) {
+    if (!(p.experts > 0 && p.rows > 0))
+      throw std::invalid_argument("cost model: a grouped-GEMM point needs experts > 0 and rows > 0");
+    by_k[p.experts].first.push_back({p.rows, p.fwd_ms});
+    by_k[p.experts].second.push_back({p.rows, p.bwd_ms});
+  }
+  for (auto& kv : by_k) {
+    k_.push_back(kv.first);
+    std::sort(kv.second.first.begin(), kv.second.first.end());
+    std::sort(kv.second.second.begin(), kv.second.second.end());
+    fwd_.push_back(kv.second.first);
+    bwd_.push_back(kv.second.second);
+  }
+}
+
+double GemmTable::ms(double k, double rows, bool backward) const {
+  if (k <= 0 || rows <= 0) return 0.0;
+  const auto& curves = backward ? bwd_ : fwd_;
+  const double per_expert = rows / k;
+  const size_t n = k_.size();
+  if (k <= k_[0]) return curve_ms(curves[0], per_expert) * k / k_[0];
+  if (k >= k_[n - 1]) return curve_ms(curves[n - 1], per_expert) * k / k_[n - 1];
+  const size_t hi = static_cast<size_t>(std::lower_bound(k_.begin(), k_.end(), k) - k_.begin());
+  if (k_[hi] == k) return curve_ms(curves[hi], per_expert);
+  const double a = curve_ms(curves[hi - 1], per_expert), b = curve_ms(curves[hi], per_expert);
+  return a + (b - a) * (k - k_[hi - 1]) / (k_[hi] - k_[hi - 1]);
+}
+
+double gemm_ms(const std::vector<GemmPoint>& grid, double k, double rows, bool backward) {
+  if (k <= 0 || rows <= 0) return 0.0;
+  return GemmTable(grid).ms(k, rows, backward);
+}
+
+namespace {
+
+// Per rank: rows (or bytes) sent and received over NVLink (same node) and the network.
+struct LinkSums {
+  std::vector<int64_t> intra_out, intra_in, inter_out, inter_in, self;
+  explicit LinkSums(int32_t W)
+      : intra_out(W, 0), intra_in(W, 0), inter_out(W, 0), inter_in(W, 0), self(W, 0) {}
+  void add(int32_t s, int32_t d, int64_t v, int32_t G) {
+    if (v == 0) return;
+    if (s == d) {  // rows to itself never touch a link: a device copy
+      self[s] += v;
+      return;
+    }
+    if (s / G == d / G) {
+      intra_out[s] += v; intra_in[d] += v;
+    } else {
+      inter_out[s] += v; inter_in[d] += v;
+    }
+  }
+};
+
+// The all-to-all time of `sums` (x row_bytes), or of its transpose (sent <-> received).
+double sums_ms(const LinkSums& m, int32_t W, double row_bytes, const LinkModel& link,
+               bool transpose, double* link_bytes) {
+  if (link.gpus_per_node < 1) throw std::invalid_argument("gpus_per_node must be >= 1");
+  const bool multi_node = W > link.gpus_per_node;
+  double worst = 0.0, total = 0.0;
+  for (int32_t r = 0; r < W; ++r) {
+    const double io = static_cast<double>(std::max(m.intra_out[r], m.intra_in[r])) * row_bytes;
+    const double xo = static_cast<double>(std::max(m.inter_out[r], m.inter_in[r])) * row_bytes;
+    total += static_cast<double>(transpose ? m.intra_in[r] + m.inter_in[r]
+                                           : m.intra_out[r] + m.inter_out[r]) * row_bytes;
+    double t = 0.0;
+    if (W > 1) t = link.intra_latency_us * 1e-3 + transfer_ms(io, link.intra_GBps);
+    if (multi_node) t = std::max(t, link.inter_latency_us * 1e-3 + transfer_ms(xo, link.inter_GBps));
+    if (link.self_GBps > 0)
+      t = std::max(t, transfer_ms(static_cast<double>(m.self[r]) * row_bytes, link.self_GBps));
+    worst = std::max(worst, t);
+  }
+  if (link_bytes) *link_bytes = total;
+  return worst;
+}
+
+}  // namespace
+
+double all_to_all_ms(const std::vector<int64_t>& M_WW, int32_t W, double row_bytes,
+                     const LinkModel& link, double* link_bytes) {
+  if (link.gpus_per_node < 1) throw std::invalid_argument("gpus_per_node must be >= 1");
+  LinkSums m(W);
+  for (int32_t s = 0; s < W; ++s)
+    for (int32_t d = 0; d < W; ++d)
+      m.add(s, d, M_WW[static_cast<size_t>(s) * W + d], link.gpus_per_node);
+  return sums_ms(m, W, row_bytes, link, false, link_bytes);
+}
+
+LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& in,
+                          const SimConfig& cfg) {
+  const int32_t W = plan.num_ranks, E = plan.num_experts;
+  const size_t Wz = static_cast<size_t>(W);
+  LayerResult res;
+  res.feasible = plan.feasible;
+  res.binding = plan.binding;
+  res.reason = plan.reason;
+  res.limit_bytes = plan.limit_bytes;
+  res.replicas = plan.replicas;
+  for (int32_t e = 0; e < E; ++e) res.retained += plan.quota_E[e];
+  for (int64_t v : in.load_WE) res.pairs += v;
+  // memory: each part's maximum over ranks and the largest rank's total
+  for (const auto& m : plan.memory_W) {
+    res.memory_max.base_experts = std::max(res.memory_max.base_experts, m.base_experts);
+    res.memory_max.replicas = std::max(res.memory_max.replicas, m.replicas);
+    res.memory_max.forward_tokens = std::max(res.memory_max.forward_tokens, m.forward_tokens);
+    res.memory_max.backward_tokens = std::max(res.memory_max.backward_tokens, m.backward_tokens);
+    res.memory_peak = std::max(res.memory_peak, m.total());
+  }
+  const double rb = static_cast<double>(cfg.hidden * cfg.elem_bytes);  // one activation row
+  // rows per (source, rank) and per-rank counts
+  if (cfg.link.gpus_per_node < 1) throw std::invalid_argument("gpus_per_node must be >= 1");
+  const int32_t G = cfg.link.gpus_per_node;
+  std::vector<int64_t> P_W(Wz, 0), R_W(Wz, 0), recv_f_W(Wz, 0), recv_b_W(Wz, 0);
+  std::vector<int32_t> kf_W(Wz, 0), kb_W(Wz, 0);
+  LinkSums Mf(W), Mb(W), rep_f(W), rep_b(W);
+  // replica weights stream per layer (ultraep, lrmoe); symi places its copies with the
+  // weight update of the step before, off the layer's critical path
+  const bool stream = plan.policy != planner::PolicyKind::kSymi;
+  for (int32_t s = 0; s < W; ++s)
+    for (int32_t e = 0; e < E; ++e) P_W[s] += in.load_WE[static_cast<size_t>(s) * E + e];
+  for (int32_t e = 0; e < E; ++e) {
+    const int32_t owner = plan.instance_rank[plan.instance_offsets[e]];
+    for (int32_t i = plan.instance_offsets[e]; i < plan.instance_offsets[e + 1]; ++i) {
+      const int32_t r = plan.instance_rank[i];
+      int64_t f = 0, b = 0;
+      const int64_t* F_W = plan.forward_IW.data() + static_cast<size_t>(i) * W;
+      const int64_t* B_W = plan.retained_IW.data() + static_cast<size_t>(i) * W;
+      // one pass: source s sends F_W[s] rows to r, over NVLink when s shares r's node,
+      // else over the network; r's own rows are a device copy
+      const int32_t n0 = (r / G) * G, n1 = std::min(W, n0 + G);
+      int64_t f_node = 0, b_node = 0;
+      for (int32_t s = 0; s < W; ++s) {
+        const int64_t fi = F_W[s], bi = B_W[s];
+        f += fi;
+        b += bi;
+        R_W[s] += bi;
+        if (s >= n0 && s < n1) {
+          Mf.intra_out[s] += fi;
+          Mb.intra_out[s] += bi;
+          f_node += fi;
+          b_node += bi;
+        } else {
+          Mf.inter_out[s] += fi;
+          Mb.inter_out[s] += bi;
+        }
+      }
+      Mf.intra_out[r] -= F_W[r];  // counted above as same-node: it is the self copy
+      Mb.intra_out[r] -= B_W[r];
+      Mf.self[r] += F_W[r];
+      Mb.self[r] += B_W[r];
+      Mf.intra_in[r] += f_node - F_W[r];
+      Mb.intra_in[r] += b_node - B_W[r];
+      Mf.inter_in[r] += f - f_node;
+      Mb.inter_in[r] += b - b_node;
+      kf_W[r] += f > 0;
+      kb_W[r] += b > 0;
+      recv_f_W[r] += f;
+      recv_b_W[r] += b;
+      if (i != plan.instance_offsets[e] && stream) {
+        // weights to the replica for the forward, again for the backward (the slot is
+        // reused across layers), its gradient reduced back into the owner's
+        rep_f.add(owner, r, in.memory.expert_weight_bytes, G);
+        rep_b.add(owner, r, in.memory.expert_weight_bytes, G);
+        rep_b.add(r, owner, in.memory.expert_grad_bytes, G);
+      }
+    }
+  }
+  // bytes each rank sends into each collective, self rows included (the EP layer's count)
+  const int64_t rbi = cfg.hidden * cfg.elem_bytes;
+  if (cfg.per_rank_bytes) res.sent_bytes_5W.assign(5 * Wz, 0);
+  for (int32_t s = 0; cfg.per_rank_bytes && s < W; ++s) {
+    const int64_t recv_f = recv_f_W[s], recv_b = recv_b_W[s];
+    res.sent_bytes_5W[0 * Wz + s] = P_W[s] * rbi;
+    res.sent_bytes_5W[1 * Wz + s] = recv_f * (rbi + 4);
+    res.sent_bytes_5W[2 * Wz + s] = R_W[s] * rbi;
+    res.sent_bytes_5W[3 * Wz + s] = R_W[s] * 4;
+    res.sent_bytes_5W[4 * Wz + s] = recv_b * rbi;
+  }
+  double mean_f = 0, mean_b = 0, max_f = 0, max_b = 0;
+  for (int32_t r = 0; r < W; ++r) {
+    mean_f += plan.forward_rows_W[r]; mean_b += plan.backward_rows_W[r];
+    max_f = std::max(max_f, double(plan.forward_rows_W[r]));
+    max_b = std::max(max_b, double(plan.backward_rows_W[r]));
+  }
+  mean_f /= W; mean_b /= W;
+  res.fwd_imbalance = mean_f > 0 ? max_f / mean_f : 1.0;
+  res.bwd_imbalance = mean_b > 0 ? max_b / mean_b : 1.0;
+  if (!plan.feasible) {  // reported, never timed
+    for (double* t : {&res.fwd_ms, &res.bwd_ms, &res.src_fwd_ms, &res.dispatch_ms,
+                      &res.expert_fwd_ms, &res.combine_ms, &res.src_bwd_ms, &res.grad_a2a_ms,
+                      &res.expert_bwd_ms, &res.dx_a2a_ms, &res.replica_ms, &res.offload_ms})
+      *t = kNaN;
+    return res;
+  }
+  const PerRowCosts& c = cfg.cost.per_row;
+  const GemmTable gemm(cfg.cost.gemm);
+  double b1 = 0, b2 = 0, b3 = 0, b4 = 0;
+  // combine and dx go back from expert ranks to sources: the transposes
+  res.dispatch_ms = sums_ms(Mf, W, rb, cfg.link, false, &b1);
+  res.combine_ms = sums_ms(Mf, W, rb + 4, cfg.link, true, &b2);
+  res.grad_a2a_ms = sums_ms(Mb, W, rb + 4, cfg.link, false, &b3);
+  res.dx_a2a_ms = sums_ms(Mb, W, rb, cfg.link, true, &b4);
+  res.fwd_link_bytes = b1 + b2;
+  res.bwd_link_bytes = b3 + b4;
+  double pre_f = 0, post_f = 0, pre_b = 0, post_b = 0, gf = 0, gb = 0, d2h = 0, h2d = 0;
+  for (int32_t r = 0; r < W; ++r) {
+    const double P = static_cast<double>(P_W[r]), R = static_cast<double>(R_W[r]);
+    const double F = static_cast<double>(plan.forward_rows_W[r]);
+    const double B = static_cast<double>(plan.backward_rows_W[r]);
+    pre_f = std::max(pre_f, P * (c.router + c.permute + c.fwd_rest));
+    post_f = std::max(post_f, P * c.combine);
+    pre_b = std::max(pre_b, P * (c.router_grad + c.score + c.select + c.bwd_rest));
+    post_b = std::max(post_b, R * c.scatter);
+    gf = std::max(gf, gemm.ms(kf_W[r], F, false));
+    gb = std::max(gb, gemm.ms(kb_W[r], B, true) + B * c.compact);
+    if (cfg.offload) {
+      d2h = std::max(d2h, transfer_ms(F * cfg.offload_row_bytes, cfg.cost.h2d_GBps));
+      h2d = std::max(h2d, transfer_ms(B * cfg.offload_row_bytes, cfg.cost.h2d_GBps));
+      res.offload_bytes += (F + B) * cfg.offload_row_bytes;
+    }
+  }
+  res.src_fwd_ms = pre_f + post_f;
+  res.expert_fwd_ms = gf;
+  res.src_bwd_ms = pre_b + post_b;
+  res.expert_bwd_ms = gb;
+  double rep_f_bytes = 0, rep_b_bytes = 0;
+  const double t_rep_f = sums_ms(rep_f, W, 1.0, cfg.link, false, &rep_f_bytes);
+  const double t_rep_b = sums_ms(rep_b, W, 1.0, cfg.link, false, &rep_b_bytes);
+  res.replica_bytes = rep_f_bytes + rep_b_bytes;
+  const bool any_rep = res.replica_bytes > 0;
+  // replica weights stream while the sources route and dispatch; their backward copies
+  // and gradient reduction while the expert backward runs: only the excess is exposed
+  const double rep_f_exposed = any_rep ? std::max(0.0, t_rep_f - (res.src_fwd_ms + res.dispatch_ms)) : 0.0;
+  const double rep_b_exposed = any_rep ? std::max(0.0, t_rep_b - res.expert_bwd_ms) : 0.0;
+  res.replica_ms = rep_f_exposed + rep_b_exposed;
+  const double fwd = res.src_fwd_ms + res.dispatch_ms + res.expert_fwd_ms + res.combine_ms;
+  const double bwd = res.src_bwd_ms + res.grad_a2a_ms + res.expert_bwd_ms + res.dx_a2a_ms;
+  // offload: saved rows leave during the layer's expert forward; the retained rows come
+  // back during the backward of the layer above (about as long as this one)
+  const double off_f = std::max(0.0, d2h - res.expert_fwd_ms);
+  const double off_b = std::max(0.0, h2d - bwd);
+  res.offload_ms = off_f + off_b;
+  res.fwd_ms = fwd + rep_f_exposed + off_f;
+  res.bwd_ms = bwd + rep_b_exposed + off_b;
+  return res;
+}
+
+LayerResult simulate_layer(const std::string& policy, const planner::PlanInput& input,
+                           const SimConfig& cfg) {
+  const planner::Plan plan = planner::make_plan(policy, input);
+  return simulate_plan(plan, input, cfg);
+}
+
+std::vector<LayerResult> simulate_trace(const std::string& policy, const planner::PlanInput& base,
+                                        const std::vector<int64_t>& loads_SLWE, int64_t steps,
+                                        int64_t layers, const SimConfig& cfg, int32_t threads,
+                                        const std::vector<int64_t>* previous_LWE) {
+  const size_t cell = static_cast<size_t>(base.num_ranks) * base.num_experts;
+  if (steps < 1 || layers < 1 || loads_SLWE.size() != static_cast<size_t>(steps * layers) * cell)
+    throw std::invalid_argument("loads must hold steps x layers x W x E entries");
+  if (previous_LWE && previous_LWE->size() != static_cast<size_t>(layers) * cell)
+    throw std::invalid_argument("previous loads must hold layers x W x E entries");
+  if (threads < 1) throw std::invalid_argument("threads must be >= 1");
+  const auto pol = planner::make_policy(policy);
+  const bool symi = pol->kind() == planner::PolicyKind::kSymi;
+  const int64_t N = steps * layers;
+  std::vector<LayerResult> out(static_cast<size_t>(N));
+  std::vector<std::string> errors(static_cast<size_t>(threads));
+  auto work = [&](int32_t t) {
+    planner::PlanInput in = base;
+    try {
+      for (int64_t j = t; j < N; j += threads) {
+        const size_t at = static_cast<size_t>(j) * cell;
+        in.load_WE.assign(loads_SLWE.begin() + at, loads_SLWE.begin() + at + cell);
+        in.previous_load_E.clear();
+        const int64_t* prev = nullptr;  // the same layer one step earlier
+        if (j >= layers) prev = loads_SLWE.data() + static_cast<size_t>(j - layers) * cell;
+        else if (previous_LWE) prev = previous_LWE->data() + static_cast<size_t>(j) * cell;
+        if (symi && prev) {
+          in.previous_load_E.assign(static_cast<size_t>(base.num_experts), 0);
+          for (size_t k = 0; k < cell; ++k) in.previous_load_E[k % base.num_experts] += prev[k];
+        }
+        out[static_cast<size_t>(j)] = simulate_plan(pol->plan(in), in, cfg);
+      }
+    } catch (const std::exception& e) {
+      errors[static_cast<size_t>(t)] = e.what();
+    }
+  };
+  if (threads == 1) {
+    work(0);
+  } else {
+    std::vector<std::thread> pool;
+    for (int32_t t = 0; t < threads; ++t) pool.emplace_back(work, t);
+    for (auto& th : pool) th.join();
+  }
+  for (const auto& e : errors)
+    if (!e.empty()) throw std::invalid_argument(e);
+  return out;
+}
+
+PressureResult simulate_pressure(const std::string& policy, const planner::PlanInput& base,
+                                 double multiplier, int32_t max_micro, const SimConfig& cfg) {
+  if (!(multiplier > 0)) throw std::invalid_argument("batch multiplier must be > 0");
+  if (max_micro < 1) throw std::invalid_argument("max_micro_batches must be >= 1");
+  PressureResult pr;
+  planner::PlanInput in = base;
+  for (int32_t k = 1; k <= max_micro; ++k) {
+    for (size_t j = 0; j < base.load_WE.size(); ++j)
+      in.load_WE[j] = static_cast<int64_t>(std::ceil(static_cast<double>(base.load_WE[j]) * multiplier / k - 1e-9));
+    LayerResult r = simulate_layer(policy, in, cfg);
+    if (k == 1) pr.layer = r;
+    if (r.feasible) {
+      pr.micro_batches = k;
+      pr.time_ms = k * (r.fwd_ms + r.bwd_ms);
+      pr.layer = r;
+      return pr;
+    }
+  }
+  pr.time_ms = kNaN;
+  return pr;
+}
+
+}  // namespace sim
+}  // namespace lrmoe

@@ -1,0 +1,141 @@
+// The cluster simulator: replays routed loads through a placement policy
+// (csrc/planner) and a cost model to predict per-layer time, traffic and memory
+// (docs/simulation.md describes every formula; the numbers it gives are simulated).
+//
+// Plain C++17, no torch: tests/cpp/test_sim.cpp checks it on hand-computed toy
+// clusters, tests/cpp/bench_sim.cpp times it, csrc/ops/sim.cpp binds it for lrmoe/sim.py.
+//
+// Legend: W ranks of the expert-parallel group (nodes of G GPUs), E experts,
+// I instances of a plan, L_WE routed pairs from source s to expert e, F_IW / B_IW
+// forward / retained rows of (instance, source) cells (planner/plan.h), M_WW rows
+// sent from rank s (row) to rank d (column). Times in ms, bytes plain bytes,
+// bandwidths GB/s (1e9 bytes per second).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "planner/plan.h"
+
+namespace lrmoe {
+namespace sim {
+
+// Grouped-GEMM time of one rank, measured (lrmoe calibrate) over a grid of experts
+// per rank k and rows per expert r.
+struct GemmPoint {
+  double experts = 0, rows = 0, fwd_ms = 0, bwd_ms = 0;
+};
+
+// ms per routed pair (or per retained pair) of every non-GEMM step of one MoE layer.
+struct PerRowCosts {
+  double router = 0, permute = 0, combine = 0, fwd_rest = 0;   // per source pair, forward
+  double router_grad = 0, score = 0, select = 0, bwd_rest = 0; // per source pair, backward
+  double compact = 0;   // per retained row on the expert rank
+  double scatter = 0;   // per retained row on the source rank
+};
+
+struct CostModel {
+  std::vector<GemmPoint> gemm;  // any order; at least one point
+  PerRowCosts per_row;
+  double h2d_GBps = 0;          // host <-> device, for offload (0: offload not timed)
+};
+
+// All-to-all links: per-GPU bandwidth and latency within a node and between nodes.
+struct LinkModel {
+  int32_t gpus_per_node = 8;
+  double intra_GBps = 0, intra_latency_us = 0;  // NVLink
+  double inter_GBps = 0, inter_latency_us = 0;  // network (RDMA)
+  // rows a rank sends itself never touch a link, but NCCL copies them on the device:
+  // GB/s of that copy (bytes counted once; 0: free)
+  double self_GBps = 0;
+};
+
+struct SimConfig {
+  CostModel cost;
+  LinkModel link;
+  int64_t hidden = 0;            // H
+  int64_t elem_bytes = 2;        // bytes per activation element (bf16: 2)
+  bool offload = false;          // saved activations in host memory
+  int64_t offload_row_bytes = 0; // saved bytes per forward row moved to the host
+  bool per_rank_bytes = false;   // fill LayerResult::sent_bytes_5W (5 W numbers per layer)
+};
+
+// The grid grouped by experts per rank, each curve sorted by rows (built once per layer).
+class GemmTable {
+ public:
+  // Throws std::invalid_argument on an empty grid (run `lrmoe calibrate`).
+  explicit GemmTable(const std::vector<GemmPoint>& grid);
+  // The grouped-GEMM time of a rank holding k instances with `rows` rows in all: the
+  // grid interpolated at (k, rows / k); see docs/simulation.md, "Cost model".
+  double ms(double k, double rows, bool backward) const;
+
+ private:
+  std::vector<double> k_;                                  // ascending experts per rank
+  std::vector<std::vector<std::pair<double, double>>> fwd_, bwd_;  // (rows, ms) per k
+};
+
+// GemmTable(grid).ms(k, rows, backward).
+double gemm_ms(const std::vector<GemmPoint>& grid, double k, double rows, bool backward);
+
+// Time of one all-to-all with row matrix M_WW (M[s][d] rows from s to d, row_bytes
+// each): per rank the larger of its sent and received bytes over each link class
+// (rows to itself are a device copy at self_GBps), intra- and inter-node links and the
+// self copy in parallel, plus the latency of each link class the group spans; the
+// slowest rank decides.
+double all_to_all_ms(const std::vector<int64_t>& M_WW, int32_t W, double row_bytes,
+                     const LinkModel& link, double* link_bytes = nullptr);
+
+// Everything the simulator says about one MoE layer of one step.
+struct LayerResult {
+  bool feasible = true;
+  planner::Binding binding = planner::Binding::kNone;
+  std::string reason;  // the planner's, when infeasible (then no time is given)
+  // times (ms; NaN when infeasible): the slowest rank of each phase, phases in sequence
+  double fwd_ms = 0, bwd_ms = 0;
+  double src_fwd_ms = 0, dispatch_ms = 0, expert_fwd_ms = 0, combine_ms = 0;
+  double src_bwd_ms = 0, grad_a2a_ms = 0, expert_bwd_ms = 0, dx_a2a_ms = 0;
+  double replica_ms = 0, offload_ms = 0;  // exposed (not hidden behind compute)
+  // bytes over links (rows a rank keeps are not counted), summed over ranks
+  double fwd_link_bytes = 0, bwd_link_bytes = 0, replica_bytes = 0, offload_bytes = 0;
+  // bytes each rank sends into the collectives, self rows included (the EP layer's
+  // stats.a2a_bytes, lrmoe/parallel/__init__.py), per rank: 5 x W, where
+  // SimConfig::per_rank_bytes asks for them
+  // (forward_dispatch, forward_combine, backward_grad, backward_index, backward_dx)
+  std::vector<int64_t> sent_bytes_5W;
+  // memory: the largest rank's total and each part's maximum over ranks
+  planner::MemoryBreakdown memory_max;
+  int64_t memory_peak = 0, limit_bytes = 0;
+  int32_t replicas = 0;
+  int64_t pairs = 0, retained = 0;
+  double fwd_imbalance = 0, bwd_imbalance = 0;  // max / mean rows per rank
+};
+
+// Simulate one layer: plan `input` with `policy`, then time it.
+LayerResult simulate_layer(const std::string& policy, const planner::PlanInput& input,
+                           const SimConfig& cfg);
+
+// Time an existing plan (the loads must be those it was planned from).
+LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& input,
+                          const SimConfig& cfg);
+
+// Every (step, layer) of loads_SLWE (S steps x Lyr layers x W x E, row-major) on
+// `threads` threads; symi gets the previous step's per-expert loads of the same layer
+// (for the first step: previous_LWE when given, a chunk of a longer trace, else none).
+std::vector<LayerResult> simulate_trace(const std::string& policy, const planner::PlanInput& base,
+                                        const std::vector<int64_t>& loads_SLWE, int64_t steps,
+                                        int64_t layers, const SimConfig& cfg, int32_t threads,
+                                        const std::vector<int64_t>* previous_LWE = nullptr);
+
+// Batch pressure: the loads multiplied by m. A plan that does not fit is split into
+// k = 2, 3, ... micro-batches (loads ceil(m L / k)) until one fits or k > max_micro.
+struct PressureResult {
+  int32_t micro_batches = 0;   // 0: no k <= max_micro fits
+  double time_ms = 0;          // k x (fwd + bwd) of one micro-batch; NaN when none fits
+  LayerResult layer;           // the micro-batch that fits (or the m x plan that failed)
+};
+PressureResult simulate_pressure(const std::string& policy, const planner::PlanInput& base,
+                                 double multiplier, int32_t max_micro, const SimConfig& cfg);
+
+}  // namespace sim
+}  // namespace lrmoe

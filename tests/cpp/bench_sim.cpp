@@ -1,0 +1,104 @@
+// Speed benchmark of csrc/sim: steps x layers of one expert-parallel group per policy.
+//
+//   ./bench_sim [steps=1000] [layers=48] [gpus=1024] [threads=2] [experts=128]
+//
+// The GPUs form data-parallel copies of one EP group of min(gpus, experts) ranks
+// (nodes of 8); the simulator replays one representative group (docs/simulation.md,
+// "64-1024 GPUs"). Loads: the paper's micro-batch, 262,144 routed pairs per source rank
+// (4 x 8192 tokens x top-8), Zipf-skewed per layer (exponent 1, hot experts at random
+// ids per layer), 16 distinct steps of +-20 % noise replayed in turn as a re-sampled
+// trace is. Costs: the Qwen3-30B-A3B figures of docs/performance.md (one point per
+// experts count, linear in rows), NVLink 370 GB/s, network 50 GB/s per GPU. c = 0.3 for
+// lrmoe. Prints wall seconds per policy and in all.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#include "planner/plan.h"
+#include "sim/sim.h"
+
+using namespace lrmoe;
+
+int main(int argc, char** argv) {
+  const int64_t steps = argc > 1 ? std::atoll(argv[1]) : 1000;
+  const int64_t layers = argc > 2 ? std::atoll(argv[2]) : 48;
+  const int gpus = argc > 3 ? std::atoi(argv[3]) : 1024;
+  const int threads = argc > 4 ? std::atoi(argv[4]) : 2;
+  const int E = argc > 5 ? std::atoi(argv[5]) : 128;
+  const int W = std::min(gpus, E);
+  const int64_t distinct = 16, pairs = 4 * 8192 * 8;
+  const size_t cell = static_cast<size_t>(W) * E;
+  std::mt19937_64 rng(1);
+  std::vector<std::vector<double>> pop(static_cast<size_t>(layers), std::vector<double>(E));
+  for (auto& p : pop) {
+    for (int e = 0; e < E; ++e) p[e] = 1.0 / (e + 1.0);
+    std::shuffle(p.begin(), p.end(), rng);
+    double t = 0;
+    for (double v : p) t += v;
+    for (double& v : p) v /= t;
+  }
+  std::uniform_real_distribution<double> noise(0.8, 1.2);
+  std::vector<int64_t> pool(static_cast<size_t>(distinct * layers) * cell);
+  for (int64_t s = 0; s < distinct; ++s)
+    for (int64_t l = 0; l < layers; ++l)
+      for (int w = 0; w < W; ++w)
+        for (int e = 0; e < E; ++e)
+          pool[((s * layers + l) * W + w) * E + e] =
+              static_cast<int64_t>(pairs * pop[l][e] * noise(rng));
+
+  planner::PlanInput base;
+  base.num_ranks = W;
+  base.num_experts = E;
+  const int64_t H = 2048, I = 768, GiB = int64_t(1) << 30;
+  base.memory = {3 * H * I * 2, 3 * H * I * 4, 3 * H * I * 12, false,
+                 2 * H + 4 * I + 2 * H, 6 * H + 12 * I, 80 * GiB, 64 * GiB};
+  sim::SimConfig cfg;
+  // 32k tokens, 128 experts: forward GEMMs 4.03 ms, backward 8.35 ms (docs/performance.md)
+  for (double k : {1.0, 16.0, 128.0})
+    for (double r : {256.0, 2048.0})
+      cfg.cost.gemm.push_back({k, r, 4.03 * k / 128 * r / 2048, 8.35 * k / 128 * r / 2048});
+  cfg.cost.per_row = {0, 0.53 / 262144, 0.34 / 262144, 0,
+                      0, 0.04 / 262144, 0.14 / 262144, 0, 1.02 / 262144, 0.33 / 262144};
+  cfg.cost.h2d_GBps = 50;
+  cfg.link = {8, 370, 10, 50, 20, 2100};
+  cfg.hidden = H;
+
+  const int64_t chunk = 8;
+  double total = 0;
+  std::printf("%-8s %6s %6s %5s %4s %9s %12s %9s\n", "policy", "steps", "layers", "gpus", "ep",
+              "seconds", "mean_fb_ms", "feasible");
+  for (const char* policy : {"fixed", "ultraep", "symi", "lrmoe"}) {
+    planner::PlanInput in = base;
+    in.recalibration_rate = std::string(policy) == "lrmoe" ? 0.3 : 0.0;
+    const auto t0 = std::chrono::steady_clock::now();
+    double sum_ms = 0;
+    int64_t ok = 0, n = 0;
+    std::vector<int64_t> loads, prev;
+    for (int64_t s0 = 0; s0 < steps; s0 += chunk) {
+      const int64_t ns = std::min(chunk, steps - s0);
+      loads.resize(static_cast<size_t>(ns * layers) * cell);
+      for (int64_t s = 0; s < ns; ++s) {
+        const size_t from = static_cast<size_t>(((s0 + s) % distinct) * layers) * cell;
+        std::copy(pool.begin() + from, pool.begin() + from + layers * cell,
+                  loads.begin() + static_cast<size_t>(s * layers) * cell);
+      }
+      const auto out = sim::simulate_trace(policy, in, loads, ns, layers, cfg, threads,
+                                           prev.empty() ? nullptr : &prev);
+      prev.assign(loads.end() - layers * cell, loads.end());
+      for (const auto& r : out) {
+        ++n;
+        if (r.feasible) { ++ok; sum_ms += r.fwd_ms + r.bwd_ms; }
+      }
+    }
+    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    total += sec;
+    std::printf("%-8s %6lld %6lld %5d %4d %9.2f %12.3f %5lld/%lld\n", policy, (long long)steps,
+                (long long)layers, gpus, W, sec, ok ? sum_ms / ok : NAN, (long long)ok, (long long)n);
+  }
+  std::printf("total %.2f s (%d threads)\n", total, threads);
+  return 0;
+}

@@ -1,0 +1,285 @@
+// GoogleTests for csrc/sim: hand-computed toy clusters with given costs.
+//
+// Every expected number is worked out in the comments from the model of
+// docs/simulation.md ("Cost model", "Layer time"), not from the code under test.
+//
+// Legend: W ranks, E experts, L_WE loads, G GPUs per node. Times ms, bytes plain.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "planner/plan.h"
+#include "sim/sim.h"
+
+namespace {
+
+using namespace lrmoe;
+using sim::GemmPoint;
+
+// 2 GPUs in one node, 2 experts (fixed ownership: e0 on rank 0, e1 on rank 1).
+// GEMM: one point (1 expert, 10 rows): 1 ms forward, 2 ms backward, so k instances
+// with r rows each take k * max(1, r / 10) ms (x 2 backward).
+// Per pair: router 0.01, combine 0.02, router_grad 0.01, score 0.001, select 0.001 ms;
+// per retained row: compact 0.005 (expert rank), scatter 0.002 (source rank).
+// Link: 1 GB/s, 10 us; rows of H = 500 bf16 = 1000 bytes.
+sim::SimConfig toy_config() {
+  sim::SimConfig cfg;
+  cfg.cost.gemm = {GemmPoint{1, 10, 1.0, 2.0}};
+  cfg.cost.per_row.router = 0.01;
+  cfg.cost.per_row.combine = 0.02;
+  cfg.cost.per_row.router_grad = 0.01;
+  cfg.cost.per_row.score = 0.001;
+  cfg.cost.per_row.select = 0.001;
+  cfg.cost.per_row.compact = 0.005;
+  cfg.cost.per_row.scatter = 0.002;
+  cfg.cost.h2d_GBps = 1.0;
+  cfg.link.gpus_per_node = 8;
+  cfg.link.intra_GBps = 1.0;
+  cfg.link.intra_latency_us = 10.0;
+  cfg.hidden = 500;
+  cfg.elem_bytes = 2;
+  cfg.per_rank_bytes = true;
+  return cfg;
+}
+
+// L = [[30, 10], [20, 40]]: source 0 sends 30 rows to e0, 10 to e1; source 1 20 and 40.
+// Memory: weight 100, grad 200, optimizer 400 per expert; rows 3 B forward, 5 B backward.
+planner::PlanInput toy_input(int64_t limit = int64_t(1) << 40) {
+  planner::PlanInput in;
+  in.num_ranks = 2;
+  in.num_experts = 2;
+  in.load_WE = {30, 10, 20, 40};
+  in.memory.expert_weight_bytes = 100;
+  in.memory.expert_grad_bytes = 200;
+  in.memory.expert_optimizer_bytes = 400;
+  in.memory.forward_row_bytes = 3;
+  in.memory.backward_row_bytes = 5;
+  in.memory.budget_bytes = limit;
+  in.memory.resident_bytes = 0;
+  in.replica_slots = 0;
+  return in;
+}
+
+TEST(Sim, ToyClusterTimesAndBytesExact) {
+  const sim::LayerResult r = sim::simulate_layer("fixed", toy_input(), toy_config());
+  ASSERT_TRUE(r.feasible);
+  // dispatch: rank 0 sends 10 rows to rank 1 and receives 20: max(10, 20) x 1000 B at
+  // 1 GB/s = 0.02 ms + 0.01 latency; rank 1 the mirror image
+  EXPECT_DOUBLE_EQ(r.dispatch_ms, 0.03);
+  // combine: the same rows back, 1004 B each (y row + fp32 phi_sq): 20 x 1004 B
+  EXPECT_DOUBLE_EQ(r.combine_ms, 0.02008 + 0.01);
+  // expert forward: 50 rows on each rank, one expert: 50 / 10 x 1 ms
+  EXPECT_DOUBLE_EQ(r.expert_fwd_ms, 5.0);
+  // sources: 40 and 60 pairs; router + permute 60 x 0.01, combine 60 x 0.02
+  EXPECT_DOUBLE_EQ(r.src_fwd_ms, 0.6 + 1.2);
+  EXPECT_DOUBLE_EQ(r.fwd_ms, 1.8 + 0.03 + 5.0 + 0.03008);
+  // backward, c = 0: score/select/router_grad 60 x 0.012 + scatter 60 x 0.002;
+  // gradient rows 1004 B (int32 position), dx rows 1000 B; expert 2 x 5 + 50 x 0.005
+  EXPECT_DOUBLE_EQ(r.src_bwd_ms, 0.72 + 0.12);
+  EXPECT_DOUBLE_EQ(r.grad_a2a_ms, 0.03008);
+  EXPECT_DOUBLE_EQ(r.dx_a2a_ms, 0.03);
+  EXPECT_DOUBLE_EQ(r.expert_bwd_ms, 10.25);
+  EXPECT_DOUBLE_EQ(r.bwd_ms, 0.84 + 0.03008 + 10.25 + 0.03);
+  // link bytes: forward 10 + 20 rows out x 1000 B, back 10 + 20 rows x 1004 B
+  EXPECT_DOUBLE_EQ(r.fwd_link_bytes, 30 * 1000.0 + 30 * 1004.0);
+  EXPECT_DOUBLE_EQ(r.bwd_link_bytes, 30 * 1004.0 + 30 * 1000.0);
+  // bytes sent into each collective, self rows included (the EP layer's counts)
+  const std::vector<int64_t> sent = {40000, 60000,   // forward_dispatch: P x 1000
+                                     50200, 50200,   // forward_combine: 50 received x 1004
+                                     40000, 60000,   // backward_grad: R x 1000
+                                     160, 240,       // backward_index: R x 4
+                                     50000, 50000};  // backward_dx: 50 received x 1000
+  EXPECT_EQ(r.sent_bytes_5W, sent);
+  EXPECT_EQ(r.replica_bytes, 0.0);
+  EXPECT_EQ(r.pairs, 100);
+  EXPECT_EQ(r.retained, 100);
+  // memory per rank: 100 + 200 + 400 for the owned expert, 50 rows x 3 and x 5
+  EXPECT_EQ(r.memory_peak, 700 + 150 + 250);
+  EXPECT_EQ(r.memory_max.forward_tokens, 150);
+  EXPECT_DOUBLE_EQ(r.fwd_imbalance, 1.0);
+}
+
+TEST(Sim, SelfRowsAreADeviceCopy) {
+  // at 0.5 GB/s of self copy, rank 1's 40 own rows (40000 B) take 0.08 ms, longer than
+  // its links (0.03 ms); at EP size 1 the copy is all there is: 100 rows, 0.2 ms
+  sim::SimConfig cfg = toy_config();
+  cfg.link.self_GBps = 0.5;
+  EXPECT_DOUBLE_EQ(sim::simulate_layer("fixed", toy_input(), cfg).dispatch_ms, 0.08);
+  planner::PlanInput one = toy_input();
+  one.num_ranks = 1;
+  one.load_WE = {50, 50};
+  const sim::LayerResult r = sim::simulate_layer("fixed", one, cfg);
+  EXPECT_DOUBLE_EQ(r.dispatch_ms, 0.2);
+  EXPECT_DOUBLE_EQ(r.combine_ms, 100 * 1004.0 / 0.5e6);
+  EXPECT_DOUBLE_EQ(r.fwd_link_bytes, 0.0);
+}
+
+TEST(Sim, RecalibrationShrinksBackwardOnly) {
+  // lrmoe with no replica slots is fixed ownership plus quotas: c = 0.5 keeps
+  // floor(0.5 x 50) = 25 rows of each expert, split over sources 30:20 -> 15, 10 and
+  // 10:40 -> 5, 20 (largest remainder)
+  planner::PlanInput in = toy_input();
+  in.recalibration_rate = 0.5;
+  const sim::LayerResult r = sim::simulate_layer("lrmoe", in, toy_config());
+  ASSERT_TRUE(r.feasible);
+  EXPECT_EQ(r.retained, 50);
+  EXPECT_DOUBLE_EQ(r.expert_fwd_ms, 5.0);
+  // 25 rows per rank: 2 x 2.5 ms + 25 x 0.005
+  EXPECT_DOUBLE_EQ(r.expert_bwd_ms, 5.0 + 0.125);
+  // rank 0 keeps 15 + 5 = 20 source rows, rank 1 10 + 20 = 30: scatter 30 x 0.002
+  EXPECT_DOUBLE_EQ(r.src_bwd_ms, 0.72 + 0.06);
+  // gradient rows: rank 0 sends 5 to rank 1, receives 10: 10 x 1004 B
+  EXPECT_DOUBLE_EQ(r.grad_a2a_ms, 0.01004 + 0.01);
+  const std::vector<int64_t> grad = {20000, 30000};
+  EXPECT_EQ(std::vector<int64_t>(r.sent_bytes_5W.begin() + 4, r.sent_bytes_5W.begin() + 6), grad);
+}
+
+TEST(Sim, InfeasiblePlanIsReportedNotTimed) {
+  // limit 1000 bytes < 1100 the fixed plan needs on each rank
+  const sim::LayerResult r = sim::simulate_layer("fixed", toy_input(1000), toy_config());
+  EXPECT_FALSE(r.feasible);
+  EXPECT_EQ(r.binding, planner::Binding::kMemory);
+  EXPECT_FALSE(r.reason.empty());
+  EXPECT_TRUE(std::isnan(r.fwd_ms));
+  EXPECT_TRUE(std::isnan(r.bwd_ms));
+  EXPECT_TRUE(std::isnan(r.expert_bwd_ms));
+  EXPECT_EQ(r.memory_peak, 1100);  // the memory it would need is still reported
+}
+
+TEST(Sim, BatchPressureTakesMoreMicroBatches) {
+  // limit 1500: 700 of expert bytes + rows x 8 B, so at most 100 rows per rank;
+  // the toy has 50 rows per rank at 1x
+  const planner::PlanInput in = toy_input(1500);
+  const sim::SimConfig cfg = toy_config();
+  sim::PressureResult p1 = sim::simulate_pressure("fixed", in, 2.0, 8, cfg);
+  EXPECT_EQ(p1.micro_batches, 1);  // 100 rows: fits
+  // 4x: 200 rows per rank; two micro-batches of 2x fit
+  sim::PressureResult p4 = sim::simulate_pressure("fixed", in, 4.0, 8, cfg);
+  EXPECT_EQ(p4.micro_batches, 2);
+  EXPECT_DOUBLE_EQ(p4.time_ms, 2 * (p1.layer.fwd_ms + p1.layer.bwd_ms));
+  // 5x: two micro-batches of ceil(2.5 L) = [75, 25, 50, 100] put 125 rows on a rank;
+  // three of ceil(5 L / 3) = [50, 17, 34, 67] put 84 and 84
+  EXPECT_EQ(sim::simulate_pressure("fixed", in, 5.0, 8, cfg).micro_batches, 3);
+  sim::PressureResult none = sim::simulate_pressure("fixed", in, 5.0, 2, cfg);
+  EXPECT_EQ(none.micro_batches, 0);
+  EXPECT_TRUE(std::isnan(none.time_ms));
+}
+
+TEST(Sim, GemmInterpolation) {
+  // curves: 1 expert (10 rows 1 ms, 20 rows 3 ms), 4 experts (10 rows 2 ms, 20 rows 6 ms)
+  const std::vector<GemmPoint> g = {{1, 10, 1, 0}, {1, 20, 3, 0}, {4, 10, 2, 0}, {4, 20, 6, 0}};
+  // 2 experts, 15 rows each: 2 on the 1-expert curve, 4 on the 4-expert one, 1/3 of the way
+  EXPECT_NEAR(sim::gemm_ms(g, 2, 30, false), 2.0 + 2.0 / 3.0, 1e-12);
+  // 8 experts, 25 rows each: 4-expert curve extrapolated 6 + 0.4 x 5 = 8, times 8 / 4
+  EXPECT_DOUBLE_EQ(sim::gemm_ms(g, 8, 200, false), 16.0);
+  // below the first row count: the launch-bound first point
+  EXPECT_DOUBLE_EQ(sim::gemm_ms(g, 1, 5, false), 1.0);
+  EXPECT_DOUBLE_EQ(sim::gemm_ms(g, 0, 0, false), 0.0);
+  EXPECT_THROW(sim::gemm_ms({}, 1, 1, false), std::invalid_argument);
+}
+
+TEST(Sim, AllToAllAcrossNodes) {
+  // W 4 in nodes of 2; rank 0 sends 100 rows to rank 1 (NVLink 2 GB/s, 1 us) and 50
+  // to rank 2 (network 1 GB/s, 5 us), 1000 B rows. Rank 0: max(0.05 + 0.001,
+  // 0.05 + 0.005); rank 2 receives the same 50 rows: 0.055 as well.
+  sim::LinkModel link;
+  link.gpus_per_node = 2;
+  link.intra_GBps = 2.0;
+  link.intra_latency_us = 1.0;
+  link.inter_GBps = 1.0;
+  link.inter_latency_us = 5.0;
+  std::vector<int64_t> M(16, 0);
+  M[0 * 4 + 1] = 100;
+  M[0 * 4 + 2] = 50;
+  M[3 * 4 + 3] = 1000;  // to itself: no link
+  double bytes = 0;
+  EXPECT_DOUBLE_EQ(sim::all_to_all_ms(M, 4, 1000.0, link, &bytes), 0.055);
+  EXPECT_DOUBLE_EQ(bytes, 150000.0);
+}
+
+TEST(Sim, PlanAcrossNodesTimesItsRowMatrix) {
+  // W 4 in nodes of 2, E 4 (expert e on rank e): the dispatch is the all-to-all of the
+  // row matrix M[s][e] = L[s][e], the combine its transpose with 4 more bytes a row
+  planner::PlanInput in = toy_input();
+  in.num_ranks = 4;
+  in.num_experts = 4;
+  in.load_WE = {5, 10, 20, 40, 1, 2, 3, 4, 7, 0, 9, 30, 11, 13, 0, 2};
+  sim::SimConfig cfg = toy_config();
+  cfg.link.gpus_per_node = 2;
+  cfg.link.inter_GBps = 0.25;
+  cfg.link.inter_latency_us = 40.0;
+  std::vector<int64_t> T(16);
+  for (int s = 0; s < 4; ++s)
+    for (int d = 0; d < 4; ++d) T[d * 4 + s] = in.load_WE[s * 4 + d];
+  const sim::LayerResult r = sim::simulate_layer("fixed", in, cfg);
+  ASSERT_TRUE(r.feasible);
+  double bytes = 0;
+  EXPECT_DOUBLE_EQ(r.dispatch_ms, sim::all_to_all_ms(in.load_WE, 4, 1000.0, cfg.link, &bytes));
+  EXPECT_DOUBLE_EQ(r.combine_ms, sim::all_to_all_ms(T, 4, 1004.0, cfg.link));
+  EXPECT_DOUBLE_EQ(r.grad_a2a_ms, sim::all_to_all_ms(in.load_WE, 4, 1004.0, cfg.link));
+  EXPECT_DOUBLE_EQ(r.dx_a2a_ms, sim::all_to_all_ms(T, 4, 1000.0, cfg.link));
+  // off-diagonal rows: 70 + 8 + 37 + 24 = 139 of 1000 B out; 139 x 1004 back
+  EXPECT_DOUBLE_EQ(bytes, 139000.0);
+  EXPECT_DOUBLE_EQ(r.fwd_link_bytes, 139000.0 + 139 * 1004.0);
+  // by hand, rank 0 over the network: sends 20 + 40 rows, receives 7 + 11: 60 x 1000 B
+  // at 0.25 GB/s = 0.24 ms + 0.04; rank 3 sends 11 + 13, receives 40 + 4: 0.176 + 0.04
+  EXPECT_DOUBLE_EQ(r.dispatch_ms, 0.28);
+}
+
+TEST(Sim, ReplicaTrafficPerLayerButNotForSymi) {
+  // a hot expert on 2 ranks: every replica streams its weights twice and its gradient
+  // back (2 x 100 + 200 bytes) under ultraep; symi places copies with the weight update
+  planner::PlanInput in = toy_input();
+  in.load_WE = {90, 0, 90, 0};
+  in.replica_slots = 1;
+  const sim::SimConfig cfg = toy_config();
+  const planner::Plan up = planner::make_plan("ultraep", in);
+  const sim::LayerResult u = sim::simulate_plan(up, in, cfg);
+  ASSERT_GT(up.replicas, 0);
+  EXPECT_DOUBLE_EQ(u.replica_bytes, up.replicas * 400.0);
+  const sim::LayerResult s = sim::simulate_layer("symi", in, cfg);
+  EXPECT_EQ(s.replica_bytes, 0.0);
+}
+
+TEST(Sim, TraceEqualsLayerByLayer) {
+  // 2 steps x 2 layers, two threads; symi's layers at step 1 plan from step 0's loads
+  const planner::PlanInput base = toy_input();
+  const std::vector<int64_t> loads = {30, 10, 20, 40, 5, 5, 5, 5,
+                                      1, 2, 3, 4, 50, 0, 0, 50};
+  const sim::SimConfig cfg = toy_config();
+  for (const char* pol : {"fixed", "symi"}) {
+    const auto out = sim::simulate_trace(pol, base, loads, 2, 2, cfg, 2);
+    ASSERT_EQ(out.size(), 4u);
+    for (int j = 0; j < 4; ++j) {
+      planner::PlanInput in = base;
+      in.load_WE.assign(loads.begin() + 4 * j, loads.begin() + 4 * j + 4);
+      if (std::string(pol) == "symi" && j >= 2)
+        in.previous_load_E = {loads[4 * (j - 2)] + loads[4 * (j - 2) + 2],
+                              loads[4 * (j - 2) + 1] + loads[4 * (j - 2) + 3]};
+      const sim::LayerResult ref = sim::simulate_layer(pol, in, cfg);
+      EXPECT_DOUBLE_EQ(out[j].fwd_ms, ref.fwd_ms) << pol << " " << j;
+      EXPECT_DOUBLE_EQ(out[j].bwd_ms, ref.bwd_ms) << pol << " " << j;
+      EXPECT_EQ(out[j].memory_peak, ref.memory_peak);
+    }
+  }
+  EXPECT_THROW(sim::simulate_trace("fixed", base, loads, 3, 2, cfg, 1), std::invalid_argument);
+}
+
+TEST(Sim, OffloadChargesOnlyWhatComputeCannotHide) {
+  // 50 saved rows of 100000 B per rank at 1 GB/s: 5 ms out during a 5 ms expert
+  // forward (hidden), the same back during an 11.15008 ms backward (hidden)
+  sim::SimConfig cfg = toy_config();
+  cfg.offload = true;
+  cfg.offload_row_bytes = 100000;
+  const sim::LayerResult r = sim::simulate_layer("fixed", toy_input(), cfg);
+  EXPECT_DOUBLE_EQ(r.offload_ms, 0.0);
+  EXPECT_DOUBLE_EQ(r.offload_bytes, 2 * (50 + 50) * 100000.0);
+  // at 0.5 GB/s: 10 ms each way, 5 ms of the forward's exposed
+  cfg.cost.h2d_GBps = 0.5;
+  EXPECT_DOUBLE_EQ(sim::simulate_layer("fixed", toy_input(), cfg).offload_ms, 5.0);
+}
+
+}  // namespace

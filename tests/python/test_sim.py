@@ -1,0 +1,163 @@
+"""Tests of the cluster simulator's Python face: ``lrmoe calibrate`` (lrmoe/calibrate.py)
+and ``lrmoe sim`` (lrmoe/sim.py, lrmoe/sim_report.py). The simulator's arithmetic is tested
+on hand-computed toy clusters in tests/cpp/test_sim.cpp.
+
+References: hand-built expert id counts (torch.bincount), the file format written out in
+lrmoe/calibrate.py's docstring, the EP layer's own DispatchPlan (lrmoe/parallel/plan.py)
+for the bytes, hand-computed steps to loss for Table 1.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from lrmoe import calibrate as C
+from lrmoe import cli
+
+
+def test_balanced_ids_give_every_expert_the_same_rows():
+    ids = C.balanced_ids(experts=4, rows=6, top_k=2, device=torch.device("cpu"))
+    assert ids.shape == (12, 2)
+    assert torch.bincount(ids.reshape(-1), minlength=4).tolist() == [6, 6, 6, 6]
+    assert all(len(set(row)) == 2 for row in ids.tolist())
+    with pytest.raises(ValueError, match="divisible by top_k"):
+        C.balanced_ids(experts=3, rows=1, top_k=2, device=torch.device("cpu"))
+
+
+def test_calibrate_quick_writes_a_valid_cost_file(tmp_path):
+    out = tmp_path / "costs" / "cpu.json"
+    rc = cli.main(["calibrate", "--quick", "--device", "cpu", "--shapes", "smoke",
+                   "--out", str(out)])
+    assert rc == 0
+    data = C.load_costs(str(out))
+    assert data["format"] == C.FORMAT and data["quick"] is True
+    for key in ("machine", "device", "torch", "date", "command"):
+        assert data["meta"][key]
+    assert data["meta"]["torch"] == torch.__version__
+    shape = data["shapes"]["smoke"]
+    got = {(p["experts"], p["rows_per_expert"]) for p in shape["points"]}
+    assert got == {(e, r) for e in C.QUICK_EXPERTS for r in C.QUICK_ROWS}
+    for p in shape["points"]:
+        assert p["pairs"] == p["experts"] * p["rows_per_expert"]
+        assert p["tokens"] * min(2, p["experts"]) == p["pairs"]
+        assert p["fwd_ms"] > 0 and p["bwd_ms"] > 0
+        assert p["phases_ms"]["expert_gemm_fwd"] > 0 and p["phases_ms"]["expert_gemm_bwd"] > 0
+    assert set(shape["per_row_ms"]) >= {"permute", "combine", "score", "select", "compact",
+                                        "scatter", "fwd_rest", "bwd_rest"}
+    assert all(v >= 0 for v in shape["per_row_ms"].values())
+
+
+def test_calibrate_refuses_bad_input(tmp_path, capsys):
+    rc = cli.main(["calibrate", "--quick", "--device", "cpu", "--shapes", "smoke",
+                   "--out", str(tmp_path / "x.json"), "--iters", "1"])
+    assert rc == 0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "other"}))
+    with pytest.raises(ValueError, match="lrmoe calibrate"):
+        C.load_costs(str(bad))
+    with pytest.raises(ValueError, match="--shapes"):
+        C.calibrate(str(tmp_path / "y.json"), "cpu", ["nope"], quick=True)
+
+
+# ------------------------------------------------------------------------- lrmoe sim
+def _toy_costs(hidden: int = 768):
+    """Costs with hand-set round numbers (not a calibration): 1 ms per 1k rows forward."""
+    from lrmoe import sim as S
+    g = np.array([[1, 1024, 1.0, 2.0], [16, 1024, 16.0, 32.0]], dtype=np.float64)
+    return S.Costs("toy", {}, g, {k: 1e-6 for k in S.PER_ROW}, 10.0, {"device": "toy"})
+
+
+@pytest.mark.parametrize("rate, policy", [(0.0, "fixed"), (0.3, "lrmoe")])
+def test_sim_bytes_equal_the_ep_layers_dispatch_plan(rate, policy):
+    """The bytes the simulator says each rank sends equal those the EP layer's
+    DispatchPlan (lrmoe/parallel/plan.py, built per rank from the same counts) moves:
+    the formulas of lrmoe/parallel/__init__.py applied to its split lists."""
+    from lrmoe import sim as S
+    from lrmoe.config import LRMoEConfig
+    from lrmoe.parallel.plan import build_plan
+    from lrmoe.planner import MemoryModel
+    W, E, H, es = 2, 8, 64, 2
+    rng = np.random.default_rng(3)
+    load = rng.integers(0, 40, size=(W, E)).astype(np.int64)
+    mem = MemoryModel(1, 1, 1, 1, 1, 1 << 40, 0, optimizer_on_device=False)
+    res = S.simulate(load[None, None], policy, mem, _toy_costs(), S.Links.from_file(), H,
+                     rate, replica_slots=0, per_rank_bytes=True, threads=1)
+    assert res["feasible"][0] == 1
+    sent = res["sent_N5W"][0]
+    cfg = LRMoEConfig(hidden_size=H, moe_intermediate_size=32, num_experts=E, top_k=2,
+                      recalibration_rate=rate)
+    row = H * es
+    for r in range(W):
+        p = build_plan(load.tolist(), torch.as_tensor(load), r, E // W, cfg)
+        want = [sum(p.input_splits) * row, p.num_received * (row + 4), p.num_retained * row,
+                p.num_retained * 4, p.num_grad_received * row]
+        assert [int(v) for v in sent[:, r]] == want, (r, dict(zip(S.SENT_KEYS, want)))
+
+
+def _write_trace(path, steps=2, layers=2, tokens=64, E=128, K=8, seed=0):
+    from lrmoe.trace import RoutingTrace
+    rng = np.random.default_rng(seed)
+    tr = RoutingTrace(E, K)
+    for s in range(steps):
+        tr.step = s
+        for l in range(layers):
+            p = np.arange(1, E + 1, dtype=np.float64) ** -1.0
+            ids = np.stack([rng.choice(E, K, replace=False, p=p / p.sum()) for _ in range(tokens)])
+            tr.record(l, torch.as_tensor(ids))
+    tr.save(path)
+    return path
+
+
+def test_sim_cli_writes_json_and_figures_labelled_simulated(tmp_path):
+    costs = tmp_path / "costs.json"
+    assert cli.main(["calibrate", "--quick", "--device", "cpu", "--shapes", "gpu-small",
+                     "--out", str(costs), "--iters", "1"]) == 0
+    trace = _write_trace(tmp_path / "trace.npz")
+    results = tmp_path / "results.json"
+    cells = [{"labels": {"rate": r, "seed": 0, "selection": "none" if r == 0 else "topk"},
+              "evals": [{"step": 10 * k, "val_loss": 5.0 - k * (0.5 if r == 0 else 0.4)}
+                        for k in range(6)]} for r in (0.0, 0.3)]
+    results.write_text(json.dumps(cells))
+    out = tmp_path / "out"
+    rc = cli.main(["sim", "--costs", str(costs), "--model", "gpu-small", "--gpus", "2",
+                   "--tokens-per-gpu", "64", "--steps", "2", "--layers", "2", "--trace",
+                   str(trace), "--pressure", "1", "2", "--pressure-tokens-per-gpu", "64",
+                   "--results", str(results), "--targets", "4.0", "--scale", "2", "4",
+                   "--threads", "1", "--out", str(out)])
+    assert rc == 0
+    data = json.loads((out / "sim.json").read_text())
+    assert data["label"] == "simulated" and "simulated" in data["note"]
+    assert set(data["policies"]) == {"fixed", "ultraep", "symi", "lrmoe"}
+    for v in data["policies"].values():
+        assert v["feasible"] == 1.0 and v["fwd_ms"] > 0 and v["bwd_ms"] > 0
+    # lrmoe at c = 0.3 keeps floor(0.7 n) of each layer's pairs; the baselines all
+    assert data["policies"]["fixed"]["retained_fraction"] == 1.0
+    assert 0.69 < data["policies"]["lrmoe"]["retained_fraction"] <= 0.7
+    # Table 1: c = 0 reaches 4.0 at step 20 (5 - 2 x 0.5), c = 0.3 at step 30 (5 - 3 x 0.4)
+    row = data["table1"][0]
+    assert (row["steps_c0"], row["steps_rate"]) == (20, 30)
+    assert row["lrmoe"] == pytest.approx(30 * data["policies"]["lrmoe"]["moe_ms_per_step"]
+                                         / 60000.0)
+    assert [r["gpus"] for r in data["scale"]["policies"]["fixed"]] == [2, 4]
+    assert [r["multiplier"] for r in data["pressure"]["policies"]["lrmoe"]] == [1, 2]
+    for png in ("fig6_pressure.png", "fig7_memory.png", "fig8_latency.png", "scale.png"):
+        assert (out / png).stat().st_size > 1000
+
+
+def test_sim_refuses_bad_input(tmp_path):
+    from lrmoe import sim as S
+    bad = tmp_path / "links.yaml"
+    bad.write_text("gpus_per_node: 8\nintra_node: {GBps: 0, latency_us: 1}\n"
+                   "inter_node: {GBps: 1, latency_us: 1}\n")
+    with pytest.raises(ValueError, match="intra_GBps"):
+        S.Links.from_file(str(bad))
+    with pytest.raises(ValueError, match="load_SLWE must be 4-D"):
+        S.simulate(np.zeros((2, 8), dtype=np.int64), "fixed", None, _toy_costs(),
+                   S.Links.from_file(), 64)
+    with pytest.raises(ValueError, match="--gpus 3"):
+        cli_args = ["sim", "--costs", "x.json", "--gpus", "3"]
+        from lrmoe.sim_report import run_sim
+        run_sim(cli.build_parser().parse_args(cli_args))
