@@ -223,8 +223,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parser(sub)
     _add_plan_parser(sub)
     _add_data_parser(sub)
-
-
     _add_calibrate_parser(sub)
     _add_sim_parser(sub)
     return parser
