@@ -5,17 +5,18 @@
 #   2. the GPU tests of the offload, the replicas (host syncs over NCCL at W = 1), the
 #      CUDA-graph replay and the changed kernels;
 #   3. `lrmoe calibrate` -> OUTDIR/costs.json (the simulator's cost file);
-#   4. `lrmoe bench layer` at the Qwen3-30B-A3B and GLM-4.5-Air shapes, 32k tokens, skewed
+#   5. `lrmoe bench layer` at the Qwen3-30B-A3B and GLM-4.5-Air shapes, 32k tokens, skewed
 #      routing, c in {0, 0.2, 0.3}: LRMoE eager and CUDA-graph rows, dropless, torchtitan
 #      (where importable), with the per-method traces and where_time_goes;
-#   5. experiments/offload_memory.py: gpu-small training with and without activation
+#   4. experiments/offload_memory.py: gpu-small training with and without activation
 #      offload at c = 0 and 0.3 (peak memory, tokens/s, bytes), and the Qwen3 layer
 #      benchmark with and without offload.
 # Usage: bash scripts/device_measure.sh OUTDIR [STEPS]    (STEPS: offload train steps, 20)
 # Writes at most 8 files: log.txt, costs.json, gpu_tests.txt, layer_bench.md,
 # where_time_goes.md, offload_report.md, results.tar.gz (every json, the bench PNG and the
 # offload runs' metrics), traces.tar.gz. Environment: PYTHON (python3), MAX_JOBS (16),
-# CAP_TESTS / CAP_CALIBRATE / CAP_BENCH / CAP_OFFLOAD (seconds per step).
+# CAP_TESTS / CAP_CALIBRATE / CAP_OFFLOAD / CAP_BENCH (seconds per step), GPU_TESTS (the
+# test files), CAL_ITERS (calibration iterations per point).
 set -uo pipefail
 out="${1:?usage: scripts/device_measure.sh OUTDIR [STEPS]}"
 steps="${2:-20}"
@@ -43,16 +44,23 @@ pack() {  # everything so far into the two archives (re-made after each step)
 log "build done"
 
 timeout "${CAP_TESTS:-120}" "$py" -m pytest -q -ra -p no:cacheprovider -m gpu \
-  tests/python/test_offload.py tests/python/test_replicas.py tests/python/test_layer_gpu.py \
-  tests/python/test_cuda_ops_lrmoe.py tests/python/test_cuda_ops_movement.py \
-  > "$out/gpu_tests.txt" 2>&1
+  ${GPU_TESTS:-tests/python/test_offload.py tests/python/test_replicas.py \
+  tests/python/test_layer_gpu.py tests/python/test_cuda_ops_lrmoe.py \
+  tests/python/test_cuda_ops_movement.py} > "$out/gpu_tests.txt" 2>&1
 log "gpu tests rc $? ($(grep -E 'passed|failed' "$out/gpu_tests.txt" | tail -1))"
 
-timeout "${CAP_CALIBRATE:-150}" "$py" -m lrmoe calibrate --device cuda --out "$out/costs.json" \
+timeout "${CAP_CALIBRATE:-150}" "$py" -m lrmoe calibrate --device cuda --iters "${CAL_ITERS:-10}" \
+  --out "$out/costs.json" \
   > "$work/calibrate.txt" 2>&1
 log "calibrate rc $?"
 pack
 
+timeout "${CAP_OFFLOAD:-220}" "$py" experiments/offload_memory.py --device cuda --steps "$steps" --prune-checkpoints \
+  --bench-iters 5 \
+  --out "$work/offload" > "$work/offload_stdout.txt" 2>&1
+log "offload rc $?"
+cp "$work/offload/report.md" "$out/offload_report.md" 2>/dev/null
+pack
 methods=(lrmoe dropless)
 "$py" -c "import sys; from lrmoe.bench.torchtitan_moe import torchtitan_missing as m; \
 sys.exit(m() is not None)" 2>/dev/null && methods+=(torchtitan)
@@ -65,9 +73,4 @@ cp "$work/bench/layer_bench.md" "$out/" 2>/dev/null
 cp "$work/prof/where_time_goes.md" "$out/" 2>/dev/null
 pack
 
-timeout "${CAP_OFFLOAD:-220}" "$py" experiments/offload_memory.py --device cuda --steps "$steps" \
-  --out "$work/offload" > "$work/offload_stdout.txt" 2>&1
-log "offload rc $?"
-cp "$work/offload/report.md" "$out/offload_report.md" 2>/dev/null
-pack
 log "done"
