@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from lrmoe import sim as S
+from lrmoe.paths import check_output
 from lrmoe.planner import GiB, MODEL_SHAPES, POLICIES, ModelShape
 
 LABELS = {"fixed": "Megatron-LM (fixed)", "ultraep": "UltraEP", "symi": "SYMI",
@@ -104,10 +105,18 @@ def run_sim(args) -> dict:
     """Run ``lrmoe sim`` from parsed arguments; writes ``sim.json`` and the figures.
 
     Raises:
-        ValueError: bad sizes (naming the flag) or inputs the simulator refuses.
+        ValueError: bad sizes (naming the flag), an ``--out`` that cannot be written
+            (:func:`lrmoe.paths.check_output`) or inputs the simulator refuses.
+        FileNotFoundError: a missing ``--trace``, ``--results`` or ``--validate`` file.
     """
     if args.gpus < 1 or args.steps < 1:
         raise ValueError(f"--gpus and --steps must be >= 1, got {args.gpus}, {args.steps}")
+    # inputs read only after the simulation, and the output, are checked before it
+    for flag, f in (("--trace", args.trace), ("--results", args.results),
+                    ("--validate", args.validate)):
+        if f is not None and not Path(f).is_file():
+            raise FileNotFoundError(f"{flag} {f}: no such file")
+    check_output("--out", args.out, is_dir=True)
     shape = SHAPES[args.model]
     if args.gpus > shape.num_experts or shape.num_experts % args.gpus:
         raise ValueError(f"--gpus {args.gpus} must divide E={shape.num_experts} (one EP "
