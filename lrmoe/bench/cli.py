@@ -14,6 +14,7 @@ from lrmoe.bench.methods import EP_METHODS, METHODS
 from lrmoe.bench.report import A2A_PHASES, FAILED
 from lrmoe.bench.routing import ROUTINGS, SHAPES
 from lrmoe.offload import OFFLOAD_MODES
+from lrmoe.paths import check_output
 
 
 DEFAULT_TOKENS = (16384, 32768)
@@ -71,8 +72,12 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
     Raises:
         ValueError: ``--tokens`` below 1, ``--tokens`` together with ``--smoke`` (which
             fixes 256), several torchrun processes without ``--ep``, or ``--offload``,
-            ``--profile-dir`` or ``--cuda-graph`` with ``--ep``.
+            ``--profile-dir`` or ``--cuda-graph`` with ``--ep``; an ``--out`` or
+            ``--profile-dir`` that cannot be written (:func:`lrmoe.paths.check_output`).
     """
+    check_output("--out", args.out, is_dir=True)
+    if args.profile_dir:
+        check_output("--profile-dir", args.profile_dir, is_dir=True)
     if min(args.tokens) < 1:
         raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
     if args.smoke and list(args.tokens) != list(DEFAULT_TOKENS):

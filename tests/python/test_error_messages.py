@@ -121,3 +121,13 @@ def test_recipes_usage_errors_exit_2_without_traceback(tmp_path, recipe):
                              capture_output=True, text=True, timeout=120)
         assert got.returncode == 2, got.stderr
         assert "Traceback" not in got.stderr and bad[0] in got.stderr, got.stderr
+
+
+def test_bench_layer_checks_out_and_profile_dir_before_timing(tmp_path, capsys):
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    for flag in ("--out", "--profile-dir"):
+        good = [] if flag == "--out" else ["--out", str(tmp_path / "o")]
+        _usage_error(["bench", "layer", "--smoke", "--device", "cpu", *good, flag,
+                      str(a_file)], capsys, rf"{flag} .*/f is a file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
