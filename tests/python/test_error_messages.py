@@ -131,3 +131,12 @@ def test_bench_layer_checks_out_and_profile_dir_before_timing(tmp_path, capsys):
         _usage_error(["bench", "layer", "--smoke", "--device", "cpu", *good, flag,
                       str(a_file)], capsys, rf"{flag} .*/f is a file")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+@pytest.mark.parametrize("text", ["1.2.3", ".", "80 GiBs", "-1", "abc"])
+def test_memory_budget_typos_name_the_flag_and_the_fix(text):
+    from lrmoe.training.config import ParallelConfig
+
+    with pytest.raises(ValueError, match=r"parallel\.memory_budget: cannot read .* as a "
+                                         r"size; write e\.g\. 80GiB"):
+        ParallelConfig(ep_size=2, policy="lrmoe", memory_budget=text).validate()
