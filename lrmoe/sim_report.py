@@ -111,6 +111,8 @@ def run_sim(args) -> dict:
     """
     if args.gpus < 1 or args.steps < 1:
         raise ValueError(f"--gpus and --steps must be >= 1, got {args.gpus}, {args.steps}")
+    if not 0 <= args.rate < 1:
+        raise ValueError(f"--rate is the recalibration rate c in [0, 1), got {args.rate}")
     # inputs read only after the simulation, and the output, are checked before it
     for flag, f in (("--trace", args.trace), ("--results", args.results),
                     ("--validate", args.validate)):

@@ -140,3 +140,18 @@ def test_memory_budget_typos_name_the_flag_and_the_fix(text):
     with pytest.raises(ValueError, match=r"parallel\.memory_budget: cannot read .* as a "
                                          r"size; write e\.g\. 80GiB"):
         ParallelConfig(ep_size=2, policy="lrmoe", memory_budget=text).validate()
+
+
+def test_sim_refuses_a_trace_that_is_not_one_and_a_rate_out_of_range(tmp_path, capsys):
+    import numpy as np
+
+    costs = Path(__file__).resolve().parents[2] / "configs/costs/h200-from-performance-md.json"
+    (tmp_path / "t.txt").write_text("not a trace")
+    np.savez(tmp_path / "other.npz", x=np.arange(3))
+    base = ["sim", "--costs", str(costs), "--out", str(tmp_path / "o"), "--steps", "1",
+            "--pressure"]
+    for name in ("t.txt", "other.npz"):
+        _usage_error(base + ["--trace", str(tmp_path / name)], capsys,
+                     rf"{name} is not a routing trace .*--record-trace")
+    _usage_error(base + ["--rate", "1.5"], capsys, r"--rate .* \[0, 1\), got 1.5")
+    assert not (tmp_path / "o").exists()
