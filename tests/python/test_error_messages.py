@@ -155,3 +155,19 @@ def test_sim_refuses_a_trace_that_is_not_one_and_a_rate_out_of_range(tmp_path, c
                      rf"{name} is not a routing trace .*--record-trace")
     _usage_error(base + ["--rate", "1.5"], capsys, r"--rate .* \[0, 1\), got 1.5")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("flag,value,match", [
+    ("--tokens-per-gpu", "0", "--tokens-per-gpu must be >= 1, got 0"),
+    ("--budget-gib", "-1", r"--budget-gib must be >= 0, got -1"),
+    ("--threads", "0", "--threads must be >= 1, got 0"),
+    ("--skew", "0.5", "--skew is the max/mean expert load"),
+    ("--pressure", "0", r"--pressure multipliers must be > 0"),
+    ("--scale", "12", r"--scale 12: a cluster size must divide E=128"),
+])
+def test_sim_size_flags_are_named(tmp_path, capsys, flag, value, match):
+    costs = Path(__file__).resolve().parents[2] / "configs/costs/h200-from-performance-md.json"
+    _usage_error(["sim", "--costs", str(costs), "--out", str(tmp_path / "o"), "--steps", "1",
+                  "--layers", "1", "--pressure", "--policies", "fixed", flag, value],
+                 capsys, match)
+    assert not (tmp_path / "o").exists()
