@@ -181,6 +181,8 @@ class Trainer:
         if tokenizer is not None and not Path(tokenizer).is_file():
             raise FileNotFoundError(f"data.tokenizer {tokenizer}: no such file (a tokenizers "
                                     "tokenizer.json)")
+        if self.cfg.run.record_trace:  # saved after the last step: checked before the first
+            check_output("--record-trace", self.cfg.run.record_trace, is_dir=False)
         return tokenizer
 
     def _check_resume(self) -> None:

@@ -171,3 +171,10 @@ def test_sim_size_flags_are_named(tmp_path, capsys, flag, value, match):
                   "--layers", "1", "--pressure", "--policies", "fixed", flag, value],
                  capsys, match)
     assert not (tmp_path / "o").exists()
+
+
+def test_train_record_trace_into_a_folder_fails_before_training(tmp_path, capsys):
+    _usage_error(["train", "--preset", "tiny", "--device", "cpu", "--steps", "1", "--out",
+                  str(tmp_path / "r"), "--record-trace", str(tmp_path)], capsys,
+                 r"--record-trace .* is a folder")
+    assert not (tmp_path / "r").exists()
