@@ -178,3 +178,12 @@ def test_train_record_trace_into_a_folder_fails_before_training(tmp_path, capsys
                   str(tmp_path / "r"), "--record-trace", str(tmp_path)], capsys,
                  r"--record-trace .* is a folder")
     assert not (tmp_path / "r").exists()
+
+
+def test_offload_memory_bench_shape_checked_before_training(tmp_path):
+    script = Path(__file__).resolve().parents[2] / "experiments" / "offload_memory.py"
+    got = subprocess.run([sys.executable, str(script), "--dry-run", "--out", str(tmp_path),
+                          "--bench-shape", "nope"], capture_output=True, text=True,
+                         timeout=120)
+    assert got.returncode == 2 and "--bench-shape 'nope': choose from" in got.stderr, \
+        got.stderr
