@@ -187,3 +187,18 @@ def test_offload_memory_bench_shape_checked_before_training(tmp_path):
                          timeout=120)
     assert got.returncode == 2 and "--bench-shape 'nope': choose from" in got.stderr, \
         got.stderr
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--iters", "0"], "--iters must be >= 1, got 0"),
+    (["--rotate", "0"], "--rotate must be >= 1, got 0"),
+    (["--rates", "1.5"], r"--rates are recalibration rates c in \[0, 1\)"),
+    (["--append-md", "{tmp}"], r"--append-md .* is a folder"),
+] + ([] if torch.cuda.is_available() else
+     [(["--device", "cuda"], "--device cuda: no CUDA device here")]))
+def test_bench_layer_bad_counts_rates_device_append_md(tmp_path, capsys, extra, match):
+    extra = [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    _usage_error(["bench", "layer", "--shapes", "smoke", "--tokens", "64", "--methods",
+                  "lrmoe", "--dtype", "float32", "--out", str(tmp_path / "o"), *extra],
+                 capsys, match)
+    assert not (tmp_path / "o").exists()
