@@ -165,9 +165,10 @@ def calibrate(out: str, device: Optional[str] = None, shapes: Sequence[str] = DE
         The dict written.
 
     Raises:
-        ValueError: an unknown shape (naming the choices), ``--device cuda`` where no
-            CUDA device exists, ``iters`` < 1, or an ``out`` that cannot be written
-            (checked before measuring: :func:`lrmoe.paths.check_output`).
+        ValueError: an unknown shape (naming the choices), a device other than cpu,
+            cuda, cuda:N, ``--device cuda`` where no CUDA device exists, ``iters`` < 1,
+            or an ``out`` that cannot be written (checked before measuring:
+            :func:`lrmoe.paths.check_output`).
     """
     if iters is not None and iters < 1:
         raise ValueError(f"--iters must be >= 1, got {iters}")
@@ -175,8 +176,11 @@ def calibrate(out: str, device: Optional[str] = None, shapes: Sequence[str] = DE
     for s in shapes:
         if s not in SHAPES:
             raise ValueError(f"--shapes: unknown shape {s!r}; choose from {sorted(SHAPES)}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device here; use --device cpu (with "
+    if device is not None and not (device in ("cpu", "cuda") or (
+            device.startswith("cuda:") and device[5:].isdigit())):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+    if (device or "").startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device here; use --device cpu (with "
                          "--quick for a test file)")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

@@ -202,3 +202,15 @@ def test_bench_layer_bad_counts_rates_device_append_md(tmp_path, capsys, extra, 
                   "lrmoe", "--dtype", "float32", "--out", str(tmp_path / "o"), *extra],
                  capsys, match)
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["calibrate", "--quick", "--device", "foo"], "--device must be cpu, cuda or cuda:N"),
+    (["plan", "--ep", "0"], "--ep must be >= 1, got 0"),
+] + ([] if torch.cuda.is_available() else
+     [(["calibrate", "--quick", "--device", "cuda:0"], "--device cuda:0: no CUDA device")]))
+def test_calibrate_device_and_plan_ep_named(tmp_path, capsys, argv, match):
+    if argv[0] == "calibrate":
+        argv = argv + ["--out", str(tmp_path / "c.json")]
+    _usage_error(argv, capsys, match)
+    assert list(tmp_path.iterdir()) == []
