@@ -138,6 +138,11 @@ def run_sim(args) -> dict:
                     ("--validate", args.validate)):
         if f is not None and not Path(f).is_file():
             raise FileNotFoundError(f"{flag} {f}: no such file")
+        if f is not None and flag != "--trace":
+            try:
+                json.loads(Path(f).read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise ValueError(f"{flag} {f}: not a JSON file ({err})") from None
     check_output("--out", args.out, is_dir=True)
     shape = SHAPES[args.model]
     if args.gpus > shape.num_experts or shape.num_experts % args.gpus:

@@ -154,6 +154,9 @@ def test_sim_refuses_a_trace_that_is_not_one_and_a_rate_out_of_range(tmp_path, c
         _usage_error(base + ["--trace", str(tmp_path / name)], capsys,
                      rf"{name} is not a routing trace .*--record-trace")
     _usage_error(base + ["--rate", "1.5"], capsys, r"--rate .* \[0, 1\), got 1.5")
+    for flag in ("--results", "--validate"):
+        _usage_error(base + [flag, str(tmp_path / "t.txt")], capsys,
+                     rf"{flag} .*t.txt: not a JSON file")
     assert not (tmp_path / "o").exists()
 
 
