@@ -135,4 +135,11 @@ if __name__ == "__main__":
     p.add_argument("--bench-iters", type=int, default=10)
     p.add_argument("--no-bench", action="store_true", help="train cells only")
     a = p.parse_args()
+    if not a.no_bench:  # the benchmark runs after every training cell: check its shape now
+        from lrmoe.bench.routing import SHAPES
+        if a.bench_shape not in SHAPES:
+            p.error(f"--bench-shape {a.bench_shape!r}: choose from {sorted(SHAPES)}")
+        if a.bench_tokens < 1 or a.bench_iters < 1:
+            p.error(f"--bench-tokens and --bench-iters must be >= 1, got {a.bench_tokens}, "
+                    f"{a.bench_iters}")
     sys.exit(recipe.main(RECIPE, a, cells(a), analyse))

@@ -61,24 +61,36 @@ def base_args(args: argparse.Namespace) -> List[str]:
     return out
 
 
+def usage_error(args: argparse.Namespace, out: Path) -> Optional[str]:
+    """The first bad shared option as one line naming the flag (``--steps`` < 1, no
+    seeds, ``--jobs`` < 1, ``--last-evals`` < 1, an ``--out`` that is a file), or None."""
+    if args.steps < 1:
+        return f"--steps must be >= 1, got {args.steps}"
+    if not args.seeds:
+        return "--seeds needs at least one seed"
+    if args.jobs < 1:
+        return f"--jobs must be >= 1, got {args.jobs}"
+    if args.last_evals < 1:
+        return f"--last-evals must be >= 1, got {args.last_evals}"
+    if out.exists() and not out.is_dir():
+        return f"--out {out} is a file; name a folder for the grid's runs and report"
+    return None
+
+
 def main(recipe: str, args: argparse.Namespace, cells: Sequence[_grid.Cell],
          analyse: Analyse, argv: Optional[Sequence[str]] = None) -> int:
     """Run ``cells`` (unless ``--analyse-only``), collect and analyse; returns the exit
-    status (1 when a cell failed, 0 otherwise).
+    status (1 when a cell failed, 2 on a usage error, 0 otherwise).
 
-    Raises:
-        ValueError: ``--steps`` < 1, no seeds, ``--last-evals`` < 1 or ``--jobs`` < 1
-            (named).
+    A usage error (``--steps`` < 1, no seeds, ``--last-evals`` < 1, ``--jobs`` < 1, an
+    ``--out`` that is a file) is one line on stderr naming the flag, before any run.
     """
-    if args.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {args.steps}")
-    if not args.seeds:
-        raise ValueError("--seeds needs at least one seed")
-    if args.jobs < 1:
-        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
-    if args.last_evals < 1:
-        raise ValueError(f"--last-evals must be >= 1, got {args.last_evals}")
     out = Path(args.out or f"runs/experiments/{recipe}-{args.preset}")
+    usage = usage_error(args, out)
+    if usage is not None:
+        # the recipes' __main__ blocks pass this status to sys.exit: no traceback
+        print(f"experiments/{recipe}.py: error: {usage}", file=sys.stderr)
+        return 2
     if args.dry_run:
         for c in cells:
             print(c.name, " ".join(c.args))

@@ -194,6 +194,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(f"--sft-data {args.sft_data}: no such file; build it with `lrmoe data "
                 f"wordnet-alpaca --out {args.sft_data}` or give an Alpaca JSON/JSONL file")
     out = Path(args.out or f"runs/experiments/{RECIPE}-{args.preset}")
+    usage = recipe.usage_error(args, out)
+    if usage is not None:  # before the base pretraining, not after it
+        p.error(usage)
     args.out = str(out)
     checkpoint = base_checkpoint(out, args)
     cells = sft_cells(args)

@@ -40,6 +40,7 @@ from lrmoe.bench.routing import Case, Inputs
 from lrmoe.bench.timing import (PHASES_BWD, PHASES_FWD, Timer, measure_ceilings,
                                 phase_times, profile_step, time_iterations)
 from lrmoe.layer import LRMoELayer
+from lrmoe.paths import check_output
 
 FORMAT = "lrmoe-costs/1"
 #: the shapes a calibration covers: the bench's paper shapes plus the gpu-small preset
@@ -164,14 +165,22 @@ def calibrate(out: str, device: Optional[str] = None, shapes: Sequence[str] = DE
         The dict written.
 
     Raises:
-        ValueError: an unknown shape (naming the choices) or ``--device cuda`` where no
-            CUDA device exists.
+        ValueError: an unknown shape (naming the choices), a device other than cpu,
+            cuda, cuda:N, ``--device cuda`` where no CUDA device exists, ``iters`` < 1,
+            or an ``out`` that cannot be written (checked before measuring:
+            :func:`lrmoe.paths.check_output`).
     """
+    if iters is not None and iters < 1:
+        raise ValueError(f"--iters must be >= 1, got {iters}")
+    check_output("--out", out, is_dir=False)
     for s in shapes:
         if s not in SHAPES:
             raise ValueError(f"--shapes: unknown shape {s!r}; choose from {sorted(SHAPES)}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device here; use --device cpu (with "
+    if device is not None and not (device in ("cpu", "cuda") or (
+            device.startswith("cuda:") and device[5:].isdigit())):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+    if (device or "").startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device here; use --device cpu (with "
                          "--quick for a test file)")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -216,8 +225,16 @@ def load_costs(path: str) -> dict:
         ValueError: not a ``lrmoe-costs/1`` file, or a shape without points (naming the
             file and the fix: run ``lrmoe calibrate``).
     """
-    data = json.loads(Path(path).read_text())
-    if data.get("format") != FORMAT:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"no cost file at {path}; write one with `lrmoe calibrate "
+                                "--out FILE.json` (docs/simulation.md)")
+    try:
+        data = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not a cost file (not JSON: {err}); write one with "
+                         "`lrmoe calibrate --out FILE.json`") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"{path}: not a cost file ({FORMAT!r}); write one with "
                          "`lrmoe calibrate --out FILE.json`")
     for name, s in data.get("shapes", {}).items():

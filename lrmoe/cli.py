@@ -158,6 +158,8 @@ def _add_data_parser(sub: Any) -> None:
 
     def _cmd(args: argparse.Namespace) -> int:
         from lrmoe.data.wordnet import build
+        if args.max_senses < 1:
+            raise ValueError(f"--max-senses must be >= 1, got {args.max_senses}")
         counts = build(args.out, args.wordnet_dir, args.max_senses)
         print(f"wrote {counts.pop('total')} records to {args.out} ("
               + ", ".join(f"{n} {t}" for t, n in counts.items()) + f"); licence: "

@@ -78,6 +78,8 @@ def _loads(args: argparse.Namespace, shape: P.ModelShape):
     W = args.ep
     if args.tokens_per_rank < 1:
         raise ValueError(f"--tokens-per-rank must be >= 1, got {args.tokens_per_rank}")
+    if W < 1:
+        raise ValueError(f"--ep must be >= 1, got {W}")
     if args.loads == "trace":
         if not args.trace:
             raise ValueError("--loads trace needs --trace PATH (record one with `lrmoe train "

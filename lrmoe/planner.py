@@ -112,7 +112,8 @@ def parse_bytes(text: str) -> int:
     Raises:
         ValueError: not a number with an optional B/KiB/MiB/GiB/TiB (or KB/MB/GB/TB) unit.
     """
-    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([KMGT]i?B|B)?\s*", str(text), re.I)
+    m = re.fullmatch(r"\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[0-9]+)?)\s*([KMGT]i?B|B)?\s*",
+                     str(text), re.I)
     if not m:
         raise ValueError(f"cannot read {text!r} as a size; write e.g. 80GiB, 512MiB or 1e9")
     unit = (m.group(2) or "B").upper()

@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from lrmoe import sim as S
+from lrmoe.paths import check_output
 from lrmoe.planner import GiB, MODEL_SHAPES, POLICIES, ModelShape
 
 LABELS = {"fixed": "Megatron-LM (fixed)", "ultraep": "UltraEP", "symi": "SYMI",
@@ -104,10 +105,45 @@ def run_sim(args) -> dict:
     """Run ``lrmoe sim`` from parsed arguments; writes ``sim.json`` and the figures.
 
     Raises:
-        ValueError: bad sizes (naming the flag) or inputs the simulator refuses.
+        ValueError: bad sizes (naming the flag), an ``--out`` that cannot be written
+            (:func:`lrmoe.paths.check_output`) or inputs the simulator refuses.
+        FileNotFoundError: a missing ``--trace``, ``--results`` or ``--validate`` file.
     """
     if args.gpus < 1 or args.steps < 1:
         raise ValueError(f"--gpus and --steps must be >= 1, got {args.gpus}, {args.steps}")
+    if not 0 <= args.rate < 1:
+        raise ValueError(f"--rate is the recalibration rate c in [0, 1), got {args.rate}")
+    # the flags' names, not the simulator's parameter names, in the message
+    for flag, v, lo in (("--tokens-per-gpu", args.tokens_per_gpu, 1),
+                        ("--layers", args.layers, 1), ("--threads", args.threads, 1),
+                        ("--replica-slots", args.replica_slots, 0),
+                        ("--pressure-tokens-per-gpu", args.pressure_tokens_per_gpu, 1),
+                        ("--pressure-steps", args.pressure_steps, 1),
+                        ("--budget-gib", args.budget_gib, 0),
+                        ("--resident-gib", args.resident_gib, 0)):
+        if v is not None and not v >= lo:
+            raise ValueError(f"{flag} must be >= {lo}, got {v}")
+    if not args.skew >= 1:
+        raise ValueError(f"--skew is the max/mean expert load per layer, >= 1 (1: uniform), "
+                         f"got {args.skew}")
+    if any(not m > 0 for m in args.pressure):
+        raise ValueError(f"--pressure multipliers must be > 0, got {args.pressure}")
+    e = SHAPES[args.model].num_experts
+    for w in args.scale:  # W GPUs: W / ep copies of one EP group of ep = min(W, E) ranks
+        if w < 1 or e % min(w, e) or w % min(w, e):
+            raise ValueError(f"--scale {w}: a cluster size must divide E={e} or be a "
+                             f"multiple of it (e.g. --scale 64 128 256 512 1024)")
+    # inputs read only after the simulation, and the output, are checked before it
+    for flag, f in (("--trace", args.trace), ("--results", args.results),
+                    ("--validate", args.validate)):
+        if f is not None and not Path(f).is_file():
+            raise FileNotFoundError(f"{flag} {f}: no such file")
+        if f is not None and flag != "--trace":
+            try:
+                json.loads(Path(f).read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise ValueError(f"{flag} {f}: not a JSON file ({err})") from None
+    check_output("--out", args.out, is_dir=True)
     shape = SHAPES[args.model]
     if args.gpus > shape.num_experts or shape.num_experts % args.gpus:
         raise ValueError(f"--gpus {args.gpus} must divide E={shape.num_experts} (one EP "

@@ -74,12 +74,21 @@ def load_trace(path: os.PathLike) -> Tuple[dict, List[np.ndarray]]:
     Raises:
         FileNotFoundError: no file at ``path`` (record one with ``lrmoe train
             --record-trace PATH``).
+        ValueError: a file that is not such a trace (naming it and the fix).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no routing trace at {path}; record one with "
                                 "`lrmoe train --record-trace PATH`")
-    with np.load(path) as data:
+    bad = (f"{path} is not a routing trace (an .npz with 'meta' written by `lrmoe train "
+           "--record-trace PATH`)")
+    try:
+        data = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError):  # numpy's own text suggests unpickling it
+        raise ValueError(bad) from None
+    if not isinstance(data, np.lib.npyio.NpzFile) or "meta" not in data.files:
+        raise ValueError(bad)
+    with data:
         meta = json.loads(bytes(data["meta"]).decode())
         keys = sorted((k for k in data.files if k != "meta"),
                       key=lambda k: tuple(int(p[1:]) for p in k.split("_")))

@@ -14,6 +14,7 @@ from lrmoe.bench.methods import EP_METHODS, METHODS
 from lrmoe.bench.report import A2A_PHASES, FAILED
 from lrmoe.bench.routing import ROUTINGS, SHAPES
 from lrmoe.offload import OFFLOAD_MODES
+from lrmoe.paths import check_output
 
 
 DEFAULT_TOKENS = (16384, 32768)
@@ -71,8 +72,15 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
     Raises:
         ValueError: ``--tokens`` below 1, ``--tokens`` together with ``--smoke`` (which
             fixes 256), several torchrun processes without ``--ep``, or ``--offload``,
-            ``--profile-dir`` or ``--cuda-graph`` with ``--ep``.
+            ``--profile-dir`` or ``--cuda-graph`` with ``--ep``; an ``--out``,
+            ``--profile-dir`` or ``--append-md`` that cannot be written
+            (:func:`lrmoe.paths.check_output`); ``--iters``/``--rotate``/
+            ``--transformers-iters`` < 1, ``--warmup`` < 0, a rate outside [0, 1), or
+            ``--device cuda`` without a CUDA device.
     """
+    check_output("--out", args.out, is_dir=True)
+    if args.profile_dir:
+        check_output("--profile-dir", args.profile_dir, is_dir=True)
     if min(args.tokens) < 1:
         raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
     if args.smoke and list(args.tokens) != list(DEFAULT_TOKENS):
@@ -91,6 +99,19 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
         args.shapes, args.tokens, args.iters, args.warmup = ["smoke"], [256], 2, 1
         args.transformers_iters, args.rotate = 1, 2
         args.dtype = "float32" if (args.device or "cpu") == "cpu" else args.dtype
+    for flag, v, lo in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
+                        ("--rotate", args.rotate, 1),
+                        ("--transformers-iters", args.transformers_iters, 1)):
+        if v < lo:
+            raise ValueError(f"{flag} must be >= {lo}, got {v}")
+    if any(not 0 <= c < 1 for c in args.rates):
+        raise ValueError(f"--rates are recalibration rates c in [0, 1), got {args.rates}")
+    if (args.device or "").startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {args.device}: no CUDA device here; use --device cpu")
+    if args.append_md:
+        check_output("--append-md", args.append_md, is_dir=False)
     if args.ep is not None and args.offload != "none":
         raise ValueError("--offload is measured by the one-device benchmark; drop --ep (the "
                          "expert-parallel layer runs it too, but bench layer --ep does not "

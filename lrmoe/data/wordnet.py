@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, Sequence, Tuple
 
+from lrmoe.paths import check_output
+
 #: Where Debian's ``wordnet-base`` installs the database.
 DEFAULT_DIR = Path("/usr/share/wordnet")
 #: (file suffix, index/pointer pos letter, name in the instructions), in output order.
@@ -282,8 +284,10 @@ def build(out: str | os.PathLike, wordnet_dir: str | os.PathLike = DEFAULT_DIR,
     Returns:
         ``{task: records}`` counts, plus ``"total"``.
     Raises:
-        FileNotFoundError, ValueError: see :func:`build_records`.
+        FileNotFoundError, ValueError: see :func:`build_records`; ValueError also for an
+            ``out`` that cannot be written (:func:`lrmoe.paths.check_output`).
     """
+    check_output("--out", out, is_dir=False)
     records = build_records(wordnet_dir, max_senses)
     path = write_jsonl(records, out)
     Path(str(path) + ".LICENSE.txt").write_text(

@@ -320,6 +320,13 @@ class ParallelConfig:
         if self.policy is not None and self.ep_size < 2:
             raise ValueError(f"parallel.policy={self.policy} places experts over ranks; it "
                              f"needs parallel.ep_size >= 2 (--ep N), got {self.ep_size}")
+        # without a policy no plan is made, so a budget would be silently ignored
+        for key, flag in (("memory_budget", "--memory-budget"),
+                          ("resident_bytes", "--resident-bytes")):
+            if self.policy is None and getattr(self, key) is not None:
+                raise ValueError(f"parallel.{key} ({flag}) is used by a placement plan "
+                                 "only; add --policy fixed|ultraep|symi|lrmoe (with --ep "
+                                 f"N), or drop {flag}")
         placement_from_config(self)  # the policy, budget and slots, named as parallel.*
 
 

@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import Tensor, nn
 
+from lrmoe.paths import check_output
 from lrmoe.training import checkpoint as ckpt_io
 from lrmoe.training import distributed as dist_io
 from lrmoe.training.batches import BatchStream, micro_batches
@@ -113,7 +114,8 @@ class Trainer:
             ``overwrite``.
         ValueError: a config incompatible with the checkpoint (names each field), a bad
             device, E not divisible by the EP size, a torchrun world size other than
-            parallel.dp_size x parallel.ep_size or ranks started with other sizes.
+            parallel.dp_size x parallel.ep_size or ranks started with other sizes, or a
+            fresh run's ``out_dir`` that cannot be written (a file, a read-only place).
         FileNotFoundError: missing checkpoint, ``init_from`` or tokenizer.
     """
 
@@ -179,6 +181,8 @@ class Trainer:
         if tokenizer is not None and not Path(tokenizer).is_file():
             raise FileNotFoundError(f"data.tokenizer {tokenizer}: no such file (a tokenizers "
                                     "tokenizer.json)")
+        if self.cfg.run.record_trace:  # saved after the last step: checked before the first
+            check_output("--record-trace", self.cfg.run.record_trace, is_dir=False)
         return tokenizer
 
     def _check_resume(self) -> None:
@@ -202,7 +206,7 @@ class Trainer:
     def _check_fresh(self) -> None:
         self.decay_steps = self.cfg.optim.lr_decay_steps or self.cfg.run.steps
         # every rank refuses a run dir holding a run before it writes anything
-        root = Path(self.cfg.run.out_dir)
+        root = check_output("--out", self.cfg.run.out_dir, is_dir=True)
         if not self.overwrite and (holds_run(self.out_dir) or holds_run(root)):
             ckpts = ckpt_io.list_checkpoints(root)
             last = f" (last checkpoint: {ckpts[-1].name})" if ckpts else ""
