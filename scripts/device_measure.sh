@@ -16,7 +16,8 @@
 # where_time_goes.md, offload_report.md, results.tar.gz (every json, the bench PNG and the
 # offload runs' metrics), traces.tar.gz. Environment: PYTHON (python3), MAX_JOBS (16),
 # CAP_TESTS / CAP_CALIBRATE / CAP_OFFLOAD / CAP_BENCH (seconds per step), GPU_TESTS (the
-# test files), CAL_ITERS (calibration iterations per point).
+# test files), CAL_ITERS (calibration iterations per point), BENCH_METHODS (lrmoe dropless;
+# torchtitan is added where importable), BENCH_ITERS.
 set -uo pipefail
 out="${1:?usage: scripts/device_measure.sh OUTDIR [STEPS]}"
 steps="${2:-20}"
@@ -61,12 +62,12 @@ timeout "${CAP_OFFLOAD:-220}" "$py" experiments/offload_memory.py --device cuda 
 log "offload rc $?"
 cp "$work/offload/report.md" "$out/offload_report.md" 2>/dev/null
 pack
-methods=(lrmoe dropless)
+read -r -a methods <<< "${BENCH_METHODS:-lrmoe dropless}"
 "$py" -c "import sys; from lrmoe.bench.torchtitan_moe import torchtitan_missing as m; \
 sys.exit(m() is not None)" 2>/dev/null && methods+=(torchtitan)
 timeout "${CAP_BENCH:-200}" "$py" -m lrmoe bench layer --shapes qwen3-30b-a3b glm-4.5-air \
   --tokens 32768 --routing skewed --rates 0 0.2 0.3 --methods "${methods[@]}" --cuda-graph \
-  --iters 10 --warmup 3 --profile-dir "$work/prof" --out "$work/bench" \
+  --iters "${BENCH_ITERS:-10}" --warmup 3 --profile-dir "$work/prof" --out "$work/bench" \
   > "$work/bench_stdout.txt" 2>&1
 log "bench rc $? (methods ${methods[*]})"
 cp "$work/bench/layer_bench.md" "$out/" 2>/dev/null
