@@ -55,19 +55,31 @@ def run_case(case: Case, rates: Sequence[float], methods: Sequence[str], device:
         rec = dict(shape=case.shape, tokens=case.tokens, routing=case.routing,
                    load_max_over_mean=imbalance, method=method.method, rate=method.rate,
                    label=method.label, agreement=None)
-        if reference is not None:
-            rec["agreement"] = check_agreement(method, inputs, reference)
-        if rec["agreement"] is not None and not rec["agreement"]["passed"]:
-            rec.update(status=FAILED, fwd_ms=None, bwd_ms=None, fwd_bwd_ms=None, iters=0,
-                       peak_bytes=None, phases_ms={})
+        try:
+            if reference is not None:
+                rec["agreement"] = check_agreement(method, inputs, reference)
+            if rec["agreement"] is not None and not rec["agreement"]["passed"]:
+                rec.update(status=FAILED, fwd_ms=None, bwd_ms=None, fwd_bwd_ms=None, iters=0,
+                           peak_bytes=None, phases_ms={})
+                records.append(rec)
+                continue
+            slow = method.method == "transformers"
+            n_iter = transformers_iters if slow else iters
+            n_warm = min(warmup, 1) if slow else warmup
+            with PeakMemory(device) as mem:
+                fwd, bwd = time_iterations(method, inputs, timer, n_warm, n_iter)
+            (prof,) = profile_step(method, inputs, device)
+        except torch.OutOfMemoryError as err:
+            # one method out of memory (e.g. after the CUDA-graph pools of the rows before
+            # it) must not lose the rows already timed: report it, free, go on
+            for p in method.params:
+                p.grad = None
+            torch.cuda.empty_cache()
+            rec.update(status=f"out of memory: {str(err).splitlines()[0][:200]}",
+                       fwd_ms=None, bwd_ms=None, fwd_bwd_ms=None, iters=0, peak_bytes=None,
+                       phases_ms={})
             records.append(rec)
             continue
-        slow = method.method == "transformers"
-        n_iter = transformers_iters if slow else iters
-        n_warm = min(warmup, 1) if slow else warmup
-        with PeakMemory(device) as mem:
-            fwd, bwd = time_iterations(method, inputs, timer, n_warm, n_iter)
-        (prof,) = profile_step(method, inputs, device)
         rec.update(fwd_ms=statistics.median(fwd), bwd_ms=statistics.median(bwd),
                    iters=n_iter, peak_bytes=mem.peak,
                    phases_ms=phase_times(prof, device.type == "cuda"))

@@ -44,8 +44,9 @@ def _offload_mb(r: dict) -> str:
 
 def _agreement(r: dict) -> str:
     a = r.get("agreement")
-    if not a:
-        return r.get("status", "-")  # e.g. a CUDA-graph row whose capture failed
+    if not a or (r.get("status") not in (None, FAILED) and r.get("fwd_ms") is None):
+        # e.g. a CUDA-graph row whose capture failed, a method out of memory
+        return r.get("status", "-")
     err = max(a["out_rel_err"], a["dx_rel_err"])
     return f"{err:.1e}" if a["passed"] else f"FAILED {err:.1e} > {a['tolerance']:.0e}"
 

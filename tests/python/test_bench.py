@@ -423,3 +423,23 @@ def test_a_failed_cuda_graph_row_is_reported_not_fatal(monkeypatch):
                                         iters=1))
     assert "| lrmoe c=0 graph | - | - | - |" in md and want in md
 
+
+
+def test_a_method_out_of_memory_keeps_the_other_rows(tmp_path, monkeypatch):
+    """A method that runs out of device memory is reported as such; the rows timed before
+    and after it stay, and the report is still written."""
+    import lrmoe.bench.layer as layer_mod
+    real = layer_mod.time_iterations
+
+    def flaky(method, *a, **kw):
+        if method.method == "dropless":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+        return real(method, *a, **kw)
+    monkeypatch.setattr(layer_mod, "time_iterations", flaky)
+    result = bench_layer(["smoke"], [64], ["uniform"], rates=[0.0], methods=["lrmoe", "dropless"],
+                         device="cpu", dtype="float32", iters=1, warmup=0, rotate=1,
+                         out_dir=str(tmp_path / "out"))
+    by = {r["method"]: r for r in result["records"]}
+    assert by["dropless"]["status"].startswith("out of memory") and by["dropless"]["fwd_ms"] is None
+    assert by["lrmoe"]["fwd_ms"] > 0
+    assert (tmp_path / "out" / "layer_bench.md").read_text().count("out of memory") >= 1
