@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "ops/common.h"
+#include "ops/plan_input.h"
 #include "planner/plan.h"
 
 namespace lrmoe {
@@ -39,26 +40,12 @@ plan_cpu(const at::Tensor& load, c10::string_view policy, c10::IntArrayRef memor
   check_dim(load, 2, "load");
   LRMOE_CHECK(!load.is_floating_point() && !load.is_complex() && load.device().is_cpu(),
               "load must be an integer CPU tensor (W, E) of routed pairs per (source, expert)");
-  LRMOE_CHECK(memory_bytes.size() == 7, "memory_bytes must hold 7 sizes (weight, grad, "
-              "optimizer, forward row, backward row, budget, resident), got ", memory_bytes.size());
-  const std::string rule(quota_rule);
-  LRMOE_CHECK(rule == "proportional" || rule == "water_level",
-              "quota_rule must be 'proportional' or 'water_level', got '", rule, "'");
-  planner::PlanInput in;
-  in.num_ranks = static_cast<int32_t>(load.size(0));
-  in.num_experts = static_cast<int32_t>(load.size(1));
+  planner::PlanInput in = plan_input(load.size(0), load.size(1), memory_bytes,
+                                     optimizer_on_device, recalibration_rate, quota_rule,
+                                     replica_slots, symi_slots, max_expert_cut,
+                                     backward_row_capacity, min_replica_rows, balance_slack);
   in.load_WE = to_vector(load);
-  in.memory = {memory_bytes[0], memory_bytes[1], memory_bytes[2], optimizer_on_device,
-               memory_bytes[3], memory_bytes[4], memory_bytes[5], memory_bytes[6]};
-  in.recalibration_rate = recalibration_rate;
-  in.quota_rule = rule == "water_level" ? core::QuotaRule::kWaterLevel : core::QuotaRule::kProportional;
-  in.replica_slots = static_cast<int32_t>(replica_slots);
-  in.symi_slots = static_cast<int32_t>(symi_slots);
   if (previous_load.has_value()) in.previous_load_E = to_vector(*previous_load);
-  in.max_expert_cut = max_expert_cut;
-  in.backward_row_capacity = backward_row_capacity;
-  in.min_replica_rows = min_replica_rows;
-  in.balance_slack = balance_slack;
   planner::Plan p;
   try {
     p = planner::make_plan(std::string(policy), in);

@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "ops/common.h"
+#include "ops/plan_input.h"
 #include "sim/sim.h"
 
 namespace lrmoe {
@@ -52,29 +53,16 @@ std::tuple<at::Tensor, at::Tensor, std::string> sim_cpu(
   check_dim(gemm, 2, "gemm");
   LRMOE_CHECK(gemm.size(1) == 4 && gemm.size(0) >= 1, "gemm must be (points, 4): experts, rows, "
               "forward ms, backward ms; run `lrmoe calibrate` for a cost file");
-  LRMOE_CHECK(memory_bytes.size() == 7, "memory_bytes must hold 7 sizes, got ", memory_bytes.size());
   LRMOE_CHECK(per_row.size() == 10, "per_row must hold 10 costs, got ", per_row.size());
   LRMOE_CHECK(link.size() == 6, "link must hold [gpus_per_node, intra_GBps, intra_latency_us, "
               "inter_GBps, inter_latency_us, self_GBps], got ", link.size(), " values");
   LRMOE_CHECK(sizes.size() == 4, "sizes must hold [hidden, elem_bytes, offload_row_bytes, "
               "per_rank_bytes], got ", sizes.size());
-  const std::string rule(quota_rule);
-  LRMOE_CHECK(rule == "proportional" || rule == "water_level",
-              "quota_rule must be 'proportional' or 'water_level', got '", rule, "'");
   const int64_t S = load.size(0), L = load.size(1), W = load.size(2), E = load.size(3);
-  planner::PlanInput in;
-  in.num_ranks = static_cast<int32_t>(W);
-  in.num_experts = static_cast<int32_t>(E);
-  in.memory = {memory_bytes[0], memory_bytes[1], memory_bytes[2], optimizer_on_device,
-               memory_bytes[3], memory_bytes[4], memory_bytes[5], memory_bytes[6]};
-  in.recalibration_rate = recalibration_rate;
-  in.quota_rule = rule == "water_level" ? core::QuotaRule::kWaterLevel : core::QuotaRule::kProportional;
-  in.replica_slots = static_cast<int32_t>(replica_slots);
-  in.symi_slots = static_cast<int32_t>(symi_slots);
-  in.max_expert_cut = max_expert_cut;
-  in.backward_row_capacity = backward_row_capacity;
-  in.min_replica_rows = min_replica_rows;
-  in.balance_slack = balance_slack;
+  planner::PlanInput in = plan_input(W, E, memory_bytes, optimizer_on_device,
+                                     recalibration_rate, quota_rule, replica_slots, symi_slots,
+                                     max_expert_cut, backward_row_capacity, min_replica_rows,
+                                     balance_slack);
   sim::SimConfig cfg;
   const at::Tensor g = gemm.to(at::kDouble).contiguous();
   for (int64_t j = 0; j < g.size(0); ++j) {
