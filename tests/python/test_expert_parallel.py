@@ -295,9 +295,26 @@ def test_backward_bytes_shrink_with_c(backend, world):
 
 
 # ------------------------------------------------------------------- host syncs (NCCL)
-def _check_host_syncs(rank, world):
+def host_syncs_of_step(layer, x_TH):
+    """The host-sync warnings of one forward and of one backward of ``layer`` on
+    ``x_TH`` (CUDA, ``torch.cuda.set_sync_debug_mode("warn")``): two lists of messages."""
     import warnings
 
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as fwd:
+            warnings.simplefilter("always")
+            loss = layer(x_TH).float().square().sum()
+        with warnings.catch_warnings(record=True) as bwd:
+            warnings.simplefilter("always")
+            loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return tuple([str(w.message) for w in caught if "synchroniz" in str(w.message)]
+                 for caught in (fwd, bwd))
+
+
+def _check_host_syncs(rank, world):
     # bf16: the fused grouped GEMM reads device offsets (the float64 fallback loops over
     # experts with host offsets, a sync per GEMM by design)
     cfg = _cfg(hidden_size=64, moe_intermediate_size=32, num_experts=4 * world, top_k=4,
@@ -307,24 +324,11 @@ def _check_host_syncs(rank, world):
     x = torch.randn(256, 64, dtype=torch.bfloat16, device=_DEVICE, requires_grad=True)
     ep(x).float().square().sum().backward()  # warm-up: NCCL communicators, allocator
     torch.cuda.synchronize()
-
-    def syncs(caught):
-        return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
-
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as fwd:
-            warnings.simplefilter("always")
-            loss = ep(x).float().square().sum()
-        with warnings.catch_warnings(record=True) as bwd:
-            warnings.simplefilter("always")
-            loss.backward()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    fwd, bwd = host_syncs_of_step(ep, x)
     # the split sizes of the dispatch all-to-all are the forward's one host sync; the
     # backward's quotas and shares come from those counts, computed on the host
-    assert len(syncs(fwd)) == 1, syncs(fwd)
-    assert syncs(bwd) == [], syncs(bwd)
+    assert len(fwd) == 1, fwd
+    assert bwd == [], bwd
 
 
 @pytest.mark.parametrize("backend,world", _backends([], (1, 2)))
