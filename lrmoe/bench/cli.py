@@ -145,6 +145,8 @@ def _extra(r: dict) -> str:
     if "graph_bitwise" in r:
         out += "  replay == eager bitwise" if r["graph_bitwise"] else (
             "  replay DIFFERS from eager: " + ", ".join(r["graph_mismatched"]))
+    if "profile_status" in r:
+        out += "  " + r["profile_status"]
     tg = r.get("time_goes")
     if tg:
         out += "  idle/span ms fwd {:.2f}/{:.2f} bwd {:.2f}/{:.2f}".format(

@@ -12,6 +12,7 @@ Expert parallelism (``--ep N`` under torchrun) is :mod:`lrmoe.bench.layer_ep`.
 """
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from pathlib import Path
@@ -50,7 +51,7 @@ def run_case(case: Case, rates: Sequence[float], methods: Sequence[str], device:
     built = build_methods(case, rates, methods, device, offload=offload)
     reference = (reference_outputs(built[0].reference, inputs)
                  if any(m.method != "lrmoe" for m in built) else None)
-    records = []
+    records, graphed = [], []
     for method in built:
         rec = dict(shape=case.shape, tokens=case.tokens, routing=case.routing,
                    load_max_over_mean=imbalance, method=method.method, rate=method.rate,
@@ -86,13 +87,30 @@ def run_case(case: Case, rates: Sequence[float], methods: Sequence[str], device:
         _finish(rec, method, prof, case, device, profile_dir, offload)
         records.append(rec)
         if cuda_graph and method.layer is not None:
-            try:
-                records.append(graph_record(rec, method, inputs, case, device, timer, warmup,
-                                            iters, profile_dir))
-            except RuntimeError as err:  # a failed capture: report it, keep the other rows
-                records.append(_graph_failed(rec, method, err))
+            graphed.append((rec, method))
+    # graph rows last: a graph's memory pool, or a failed capture, must not cost a
+    # baseline its row (session 4 lost every GLM baseline to the pools of the graphs
+    # before it, docs/performance.md); each row still follows its eager row
+    for rec, method in graphed:
+        try:
+            grec = graph_record(rec, method, inputs, case, device, timer, warmup, iters,
+                                profile_dir)
+        except RuntimeError as err:  # a failed capture: report it, keep the other rows
+            grec = _graph_failed(rec, method, err)
+        _release(method, device)
+        records.insert(records.index(rec) + 1, grec)
     del built
     return records
+
+
+def _release(method, device: torch.device) -> None:
+    """Drop a method's gradients and return cached blocks (a graph's pool included) to
+    the device, so that the next row starts from the same free memory."""
+    for p in method.params:
+        p.grad = None
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _finish(rec: dict, method, prof, case: Case, device: torch.device,
@@ -100,7 +118,7 @@ def _finish(rec: dict, method, prof, case: Case, device: torch.device,
     """Add kernel split, LRMoE stats (offload bytes of the last, profiled, step),
     fwd_bwd_ms, achieved rates and (``profile_dir``) the trace and ``time_goes`` of
     ``prof`` to a timed record."""
-    if device.type == "cuda":
+    if device.type == "cuda" and prof is not None:
         rec.update(kernel_split(prof))
     if method.layer is not None:
         st = method.layer.stats
@@ -111,7 +129,7 @@ def _finish(rec: dict, method, prof, case: Case, device: torch.device,
                        offload_h2d_bytes=st.offload.h2d_bytes)
     rec["fwd_bwd_ms"] = rec["fwd_ms"] + rec["bwd_ms"]
     achieved_rates(rec, case)
-    if profile_dir is not None:
+    if profile_dir is not None and prof is not None:
         path = Path(profile_dir) / f"{trace_name(rec)}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(path))
@@ -142,7 +160,9 @@ def graph_record(eager: dict, method, inputs, case: Case, device: torch.device, 
     output, input and parameter gradients; ``graph_mismatched`` names the others) and
     ``peak_bytes`` = the peak allocation of warm-up, capture and one replay (the graphs'
     pool included). No ``phases_ms``: a replay runs no host ranges (its kernels are in
-    ``time_goes``, all under the phase ``(no phase)``).
+    ``time_goes``, all under the phase ``(no phase)``). With ``profile_dir`` the profile
+    comes from a second, profiled capture; where that capture fails the row keeps its
+    times and ``profile_status`` says why it has no ``time_goes``.
 
     Raises:
         ValueError: off CUDA, or a config a replay would not repeat
@@ -156,19 +176,30 @@ def graph_record(eager: dict, method, inputs, case: Case, device: torch.device, 
     rec.update(method="lrmoe_graph", label=f"{eager['label']} graph", agreement=None)
     with PeakMemory(device) as mem:
         step = GraphedStep(method.forward, method.params, inputs.xs[0], inputs.ids[0],
-                           inputs.gs[0], capture=False)
-        prof = capture_profiled(step, inputs, device)
+                           inputs.gs[0])
     check = graph_matches_eager(step, method.forward, inputs.xs[0], inputs.ids[0],
                                 inputs.gs[0])
     fwd, bwd = time_graph(step, inputs, timer, warmup, iters)
     rec.update(fwd_ms=statistics.median(fwd), bwd_ms=statistics.median(bwd), iters=iters,
                peak_bytes=mem.peak, phases_ms={}, graph_bitwise=check["bitwise"],
                graph_mismatched=check["mismatched"])
-    _finish(rec, method, prof, case, device, profile_dir)
-    for p in method.params:  # release the graphs' pool with the graphs
-        p.grad = None
     del step
-    torch.cuda.empty_cache()
+    _release(method, device)
+    prof = None
+    if profile_dir is not None:
+        # the kernels of a replay are only traced when the profiler runs during the
+        # capture; that capture is a second one, apart from the timed graphs, because on
+        # the H200 it has failed where the plain capture worked (docs/performance.md,
+        # session 5): then the row keeps its times and says why it has no profile
+        try:
+            step = GraphedStep(method.forward, method.params, inputs.xs[0], inputs.ids[0],
+                               inputs.gs[0], capture=False)
+            prof = capture_profiled(step, inputs, device)
+            del step
+        except RuntimeError as err:
+            rec["profile_status"] = (f"profiled capture failed: {type(err).__name__}: "
+                                     f"{str(err).splitlines()[0][:200]}")
+    _finish(rec, method, prof, case, device, profile_dir)
     return rec
 
 
