@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from lrmoe import _C  # noqa: F401  (registers the ops)
+from lrmoe.bench.timing import PHASES_BWD, PHASES_FWD
 from lrmoe.calibrate import load_costs
 from lrmoe.planner import MemoryModel, ModelShape, synthetic_loads
 
@@ -48,7 +49,9 @@ class Costs:
     Attributes:
         shape: the calibrated shape's name. dims: its hidden/inter/experts/top_k/shared.
         gemm_G4: (G, 4) float64 points: experts per rank, rows per expert, forward ms,
-            backward ms of the grouped GEMMs (the ``expert_gemm_fwd/bwd`` phases).
+            backward ms of the grouped GEMMs (the ``expert_gemm_fwd/bwd`` phases), each
+            plus its point's time outside the named phases where the file has the
+            points' medians (then ``per_row``'s ``fwd_rest``/``bwd_rest`` are 0).
         per_row: ms per pair of each of :data:`PER_ROW`.
         h2d_GBps: host-to-device bandwidth (0 where the file has none: offload untimed).
         meta: the file's ``meta`` (machine, device, torch, date).
@@ -82,13 +85,33 @@ class Costs:
                              f"{sorted(data['shapes'])}); run `lrmoe calibrate --shapes "
                              f"{shape}` or pick --costs-shape")
         s = data["shapes"][shape]
+        points = s["points"]
+        per_row = {k: float(s["per_row_ms"].get(k, 0.0)) for k in PER_ROW}
+        # the time under no phase (launches, allocator, small kernels between the named
+        # ones) is not proportional to pairs: 1.3 ms of a 1.7 ms Qwen3 forward at 2k
+        # pairs, 2.0 of 6.9 ms at 262k, 0.6 of 21.7 ms at 1M (configs/costs/h200.json).
+        # Where every point has its medians, each point's rest joins its GEMM time and
+        # is interpolated with it; per-pair rests (the largest point's) would charge a
+        # 32k-token layer 0.15 ms of the 2.0 (docs/simulation.md, "Cost model")
+        absorb = all(p.get("fwd_ms") is not None and p.get("bwd_ms") is not None
+                     for p in points)
         g = np.array([[p["experts"], p["rows_per_expert"],
-                       p["phases_ms"].get("expert_gemm_fwd", 0.0),
-                       p["phases_ms"].get("expert_gemm_bwd", 0.0)] for p in s["points"]],
-                     dtype=np.float64)
-        return cls(shape, s["dims"], g, {k: float(s["per_row_ms"].get(k, 0.0)) for k in PER_ROW},
+                       p["phases_ms"].get("expert_gemm_fwd", 0.0)
+                       + (_rest(p, "fwd_ms", PHASES_FWD) if absorb else 0.0),
+                       p["phases_ms"].get("expert_gemm_bwd", 0.0)
+                       + (_rest(p, "bwd_ms", PHASES_BWD) if absorb else 0.0)]
+                      for p in points], dtype=np.float64)
+        if absorb:
+            per_row["fwd_rest"] = per_row["bwd_rest"] = 0.0
+        return cls(shape, s["dims"], g, per_row,
                    float(data["bandwidth"].get("h2d_GBps") or 0.0), data["meta"],
                    float(data["bandwidth"].get("copy_GBps") or 0.0))
+
+
+def _rest(point: dict, total: str, phases: Sequence[str]) -> float:
+    """ms of a calibration point's forward or backward median outside its named phases
+    (never below 0: the medians and the one profiled step differ a little)."""
+    return max(0.0, point[total] - sum(point["phases_ms"].get(k, 0.0) for k in phases))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -296,8 +296,9 @@ def scale(args, shape, costs, links, layers) -> dict:
 def validate(bench_json: str, costs_file: str, links: S.Links) -> List[dict]:
     """One GPU, simulated vs measured: every ``lrmoe`` record of a ``lrmoe bench layer``
     JSON whose shape the cost file calibrates, simulated at W = 1 with its tokens and c
-    (the routed pairs spread evenly: at W = 1 the cost model depends only on the total
-    rows of the rank). Returns rows with both times and the relative errors."""
+    on the bench's own routing (:func:`bench_loads`: the per-expert loads decide the
+    grouped GEMMs' time, ``GemmTable::ms_instances``). Returns rows with both times and
+    the relative errors."""
     records = json.loads(Path(bench_json).read_text())["records"]
     rows = []
     cache: Dict[str, S.Costs] = {}
@@ -309,20 +310,34 @@ def validate(bench_json: str, costs_file: str, links: S.Links) -> List[dict]:
         except ValueError:
             continue
         shape = SHAPES[r["shape"]]
-        pairs = r["tokens"] * shape.top_k
-        load = np.full((1, 1, 1, shape.num_experts), pairs // shape.num_experts, np.int64)
-        load[..., : pairs % shape.num_experts] += 1
+        load = bench_loads(r["routing"], r["tokens"], shape.num_experts, shape.top_k)
         mem = S.memory_model(shape, 1 << 50, 0)
         # the one-device layer has no all-to-all (the EP path's self-copy is not charged)
         res = S.simulate(load, "lrmoe", mem, dataclasses.replace(costs, copy_GBps=0.0), links,
                          shape.hidden_size,
                          float(r["rate"] or 0.0), replica_slots=0, threads=1)
-        f, b = float(res["fwd_ms"][0]), float(res["bwd_ms"][0])
+        # the bench's median runs over its rotated inputs: the mean of their layers
+        f, b = float(np.mean(res["fwd_ms"])), float(np.mean(res["bwd_ms"]))
         rows.append(dict(shape=r["shape"], tokens=r["tokens"], routing=r["routing"],
                          rate=r["rate"], bench_fwd_ms=r["fwd_ms"], sim_fwd_ms=f,
                          bench_bwd_ms=r["bwd_ms"], sim_bwd_ms=b,
                          fwd_rel_err=f / r["fwd_ms"] - 1, bwd_rel_err=b / r["bwd_ms"] - 1))
     return rows
+
+
+def bench_loads(routing: str, tokens: int, experts: int, top_k: int,
+                rotate: int = 3) -> np.ndarray:
+    """(rotate, 1, 1, E) int64 per-expert loads of ``lrmoe bench layer``'s input sets
+    (its routing and seeds, :func:`lrmoe.bench.routing.make_routing`, rank 0; ``rotate``
+    its default). A ``trace`` routing needs the trace file: the pairs spread evenly."""
+    if routing not in ("uniform", "skewed"):
+        load = np.full((1, 1, 1, experts), tokens * top_k // experts, np.int64)
+        load[..., : tokens * top_k % experts] += 1
+        return load
+    from lrmoe.bench.routing import make_routing
+    return np.stack([np.bincount(make_routing(routing, tokens, experts, top_k, s)
+                                 .reshape(-1).numpy(), minlength=experts)
+                     for s in range(rotate)]).astype(np.int64).reshape(rotate, 1, 1, experts)
 
 
 # ------------------------------------------------------------------------------ plots

@@ -67,17 +67,35 @@ GemmTable::GemmTable(const std::vector<GemmPoint>& grid) {
   }
 }
 
+template <typename F>
+double GemmTable::along_k(double k, F v) const {
+  const size_t n = k_.size();
+  if (k <= k_[0]) return v(0) * k / k_[0];
+  if (k >= k_[n - 1]) return v(n - 1) * k / k_[n - 1];
+  const size_t hi = static_cast<size_t>(std::lower_bound(k_.begin(), k_.end(), k) - k_.begin());
+  if (k_[hi] == k) return v(hi);
+  const double a = v(hi - 1), b = v(hi);
+  return a + (b - a) * (k - k_[hi - 1]) / (k_[hi] - k_[hi - 1]);
+}
+
 double GemmTable::ms(double k, double rows, bool backward) const {
   if (k <= 0 || rows <= 0) return 0.0;
   const auto& curves = backward ? bwd_ : fwd_;
   const double per_expert = rows / k;
-  const size_t n = k_.size();
-  if (k <= k_[0]) return curve_ms(curves[0], per_expert) * k / k_[0];
-  if (k >= k_[n - 1]) return curve_ms(curves[n - 1], per_expert) * k / k_[n - 1];
-  const size_t hi = static_cast<size_t>(std::lower_bound(k_.begin(), k_.end(), k) - k_.begin());
-  if (k_[hi] == k) return curve_ms(curves[hi], per_expert);
-  const double a = curve_ms(curves[hi - 1], per_expert), b = curve_ms(curves[hi], per_expert);
-  return a + (b - a) * (k - k_[hi - 1]) / (k_[hi] - k_[hi - 1]);
+  return along_k(k, [&](size_t j) { return curve_ms(curves[j], per_expert); });
+}
+
+double GemmTable::ms_instances(const std::vector<double>& rows_I, bool backward) const {
+  const auto& curves = backward ? bwd_ : fwd_;
+  double k = 0;
+  for (double r : rows_I) k += r > 0;
+  if (k == 0) return 0.0;
+  return along_k(k, [&](size_t j) {
+    double sum = 0;
+    for (double r : rows_I)
+      if (r > 0) sum += curve_ms(curves[j], r);
+    return sum / k;
+  });
 }
 
 double gemm_ms(const std::vector<GemmPoint>& grid, double k, double rows, bool backward) {
@@ -165,7 +183,15 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
   if (cfg.link.gpus_per_node < 1) throw std::invalid_argument("gpus_per_node must be >= 1");
   const int32_t G = cfg.link.gpus_per_node;
   std::vector<int64_t> P_W(Wz, 0), R_W(Wz, 0), recv_f_W(Wz, 0), recv_b_W(Wz, 0);
-  std::vector<int32_t> kf_W(Wz, 0), kb_W(Wz, 0);
+  // each instance's rows per rank; kept per thread so that their capacity is reused
+  // from layer to layer (simulate_trace runs millions of layers)
+  thread_local std::vector<std::vector<double>> rows_f_W, rows_b_W;
+  rows_f_W.resize(Wz);
+  rows_b_W.resize(Wz);
+  for (size_t r = 0; r < Wz; ++r) {
+    rows_f_W[r].clear();
+    rows_b_W[r].clear();
+  }
   LinkSums Mf(W), Mb(W), rep_f(W), rep_b(W);
   // replica weights stream per layer (ultraep, lrmoe); symi places its copies with the
   // weight update of the step before, off the layer's critical path
@@ -206,8 +232,8 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
       Mb.intra_in[r] += b_node - B_W[r];
       Mf.inter_in[r] += f - f_node;
       Mb.inter_in[r] += b - b_node;
-      kf_W[r] += f > 0;
-      kb_W[r] += b > 0;
+      if (f > 0) rows_f_W[r].push_back(static_cast<double>(f));
+      if (b > 0) rows_b_W[r].push_back(static_cast<double>(b));
       recv_f_W[r] += f;
       recv_b_W[r] += b;
       if (i != plan.instance_offsets[e] && stream) {
@@ -265,8 +291,8 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
     post_f = std::max(post_f, P * c.combine);
     pre_b = std::max(pre_b, P * (c.router_grad + c.score + c.select + c.bwd_rest));
     post_b = std::max(post_b, R * c.scatter);
-    gf = std::max(gf, gemm.ms(kf_W[r], F, false));
-    gb = std::max(gb, gemm.ms(kb_W[r], B, true) + B * c.compact);
+    gf = std::max(gf, gemm.ms_instances(rows_f_W[r], false));
+    gb = std::max(gb, gemm.ms_instances(rows_b_W[r], true) + B * c.compact);
     if (cfg.offload) {
       d2h = std::max(d2h, transfer_ms(F * cfg.offload_row_bytes, cfg.cost.h2d_GBps));
       h2d = std::max(h2d, transfer_ms(B * cfg.offload_row_bytes, cfg.cost.h2d_GBps));

@@ -69,8 +69,18 @@ class GemmTable {
   // The grouped-GEMM time of a rank holding k instances with `rows` rows in all: the
   // grid interpolated at (k, rows / k); see docs/simulation.md, "Cost model".
   double ms(double k, double rows, bool backward) const;
+  // The grouped-GEMM time of a rank whose instances have rows_I rows each (those with 0
+  // rows run nothing): the k-expert curve taken at every instance's own rows and
+  // averaged, then interpolated along k as ms() does; equal to ms() when the rows are
+  // even. A skewed rank costs more than its mean where the curve is flat (small
+  // experts are launch-bound); docs/simulation.md, "Cost model".
+  double ms_instances(const std::vector<double>& rows_I, bool backward) const;
 
  private:
+  // v(curve index) interpolated along the experts-per-rank grid at k (ms() and
+  // ms_instances() share it)
+  template <typename F>
+  double along_k(double k, F v) const;
   std::vector<double> k_;                                  // ascending experts per rank
   std::vector<std::vector<std::pair<double, double>>> fwd_, bwd_;  // (rows, ms) per k
 };

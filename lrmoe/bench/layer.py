@@ -108,6 +108,9 @@ def _release(method, device: torch.device) -> None:
     the device, so that the next row starts from the same free memory."""
     for p in method.params:
         p.grad = None
+    if method.layer is not None:  # its last step's tensors would pin a graph's pool
+        st = method.layer.stats
+        st.tokens_per_expert_E = st.quota_E = st.retained_mass = st.kept_pair_R = None
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

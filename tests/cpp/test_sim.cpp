@@ -181,6 +181,29 @@ TEST(Sim, GemmInterpolation) {
   EXPECT_THROW(sim::gemm_ms({}, 1, 1, false), std::invalid_argument);
 }
 
+TEST(Sim, GemmOfUnevenInstances) {
+  // the curves of GemmInterpolation. Two instances with 5 and 25 rows on the 1-expert
+  // and 4-expert curves: 1-expert curve at 5 rows = 1 (flat below the first point), at
+  // 25 rows = 3 + 0.2 x 5 = 4, mean 2.5; 4-expert curve: 2 and 6 + 0.4 x 5 = 8, mean 5;
+  // k = 2 is a third of the way from 1 to 4: 2.5 + (5 - 2.5) / 3
+  const std::vector<GemmPoint> g = {{1, 10, 1, 0}, {1, 20, 3, 0}, {4, 10, 2, 0}, {4, 20, 6, 0}};
+  const sim::GemmTable t(g);
+  EXPECT_NEAR(t.ms_instances({5, 25}, false), 2.5 + 2.5 / 3.0, 1e-12);
+  // even rows: the same as the rows' total (GemmInterpolation's 2 + 2/3)
+  EXPECT_NEAR(t.ms_instances({15, 15}, false), t.ms(2, 30, false), 1e-12);
+  // an instance with no rows runs nothing: {0, 15} is one expert with 15 rows = 2 ms
+  EXPECT_DOUBLE_EQ(t.ms_instances({0, 15}, false), 2.0);
+  EXPECT_DOUBLE_EQ(t.ms_instances({}, false), 0.0);
+  // a layer of one rank with those two experts: its expert forward is that time
+  planner::PlanInput in = toy_input();
+  in.num_ranks = 1;
+  in.load_WE = {5, 25};
+  sim::SimConfig cfg = toy_config();
+  cfg.cost.gemm = g;
+  const sim::LayerResult r = sim::simulate_layer("fixed", in, cfg);
+  EXPECT_NEAR(r.expert_fwd_ms, 2.5 + 2.5 / 3.0, 1e-12);
+}
+
 TEST(Sim, AllToAllAcrossNodes) {
   // W 4 in nodes of 2; rank 0 sends 100 rows to rank 1 (NVLink 2 GB/s, 1 us) and 50
   // to rank 2 (network 1 GB/s, 5 us), 1000 B rows. Rank 0: max(0.05 + 0.001,

@@ -161,3 +161,57 @@ def test_sim_refuses_bad_input(tmp_path):
         cli_args = ["sim", "--costs", "x.json", "--gpus", "3"]
         from lrmoe.sim_report import run_sim
         run_sim(cli.build_parser().parse_args(cli_args))
+
+
+def _hand_cost_file(path, fwd_total=5.0, bwd_total=9.0):
+    """One shape (gpu-small dims), two points at 128 experts; each point's medians exceed
+    its named phases by a known rest (forward 5 - 4 = 1 ms, backward 9 - 7 = 2 ms)."""
+    phases = dict(router=1.0, permute=0.5, expert_gemm_fwd=2.0, combine=0.5,
+                  router_grad=1.0, score=0.5, select=0.5, compact=1.0,
+                  expert_gemm_bwd=3.0, scatter=1.0)
+    pts = [dict(experts=128, rows_per_expert=r, tokens=128 * r // 8, pairs=128 * r,
+                fwd_ms=fwd_total * m, bwd_ms=bwd_total * m,
+                phases_ms={k: v * m for k, v in phases.items()})
+           for r, m in ((1024, 1.0), (2048, 2.0))]
+    per_row = {k: 0.0 for k in ("router", "permute", "combine", "router_grad", "score",
+                                 "select", "compact", "scatter")}
+    per_row.update(fwd_rest=0.25, bwd_rest=0.5)
+    data = dict(format=C.FORMAT, quick=False, bandwidth=dict(copy_GBps=0.0, h2d_GBps=0.0),
+                shapes={"gpu-small": dict(dims=C.SHAPES["gpu-small"], points=pts,
+                                          per_row_ms=per_row)},
+                meta=dict(machine="hand", device="hand", torch="-", date="-", command="-"))
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_costs_fold_each_points_rest_into_its_gemm_time(tmp_path):
+    from lrmoe import sim as S
+    c = S.Costs.from_file(str(_hand_cost_file(tmp_path / "c.json")), "gpu-small")
+    # forward GEMM 2 + rest (5 - 1 - 0.5 - 2 - 0.5 = 1), backward 3 + (9 - 7 = 2), per point
+    assert c.gemm_G4.tolist() == [[128, 1024, 3.0, 5.0], [128, 2048, 6.0, 10.0]]
+    assert c.per_row["fwd_rest"] == 0.0 and c.per_row["bwd_rest"] == 0.0
+
+
+def test_validate_simulates_the_benchs_own_uneven_routing(tmp_path):
+    """W = 1, c = 0, all per-row costs 0: the simulated forward is the mean over the
+    bench's three routings of the mean over experts of the 128-expert curve at each
+    expert's rows (GemmTable::ms_instances), computed here by hand from bincount."""
+    from lrmoe import sim_report as R
+    from lrmoe.bench.routing import make_routing
+    costs = _hand_cost_file(tmp_path / "c.json")
+    tokens, E, K = 32768, 128, 8
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"records": [dict(
+        method="lrmoe", shape="gpu-small", tokens=tokens, routing="skewed", rate=0.0,
+        fwd_ms=1.0, bwd_ms=1.0)]}))
+    (row,) = R.validate(str(bench), str(costs), R.S.Links.from_file())
+
+    def curve(x, y1, y2):  # through (1024, y1), (2048, y2); flat below, slope beyond
+        return y1 if x <= 1024 else y1 + (y2 - y1) * (x - 1024) / 1024
+
+    want = np.mean([np.mean([curve(n, 3.0, 6.0) for n in torch.bincount(
+        make_routing("skewed", tokens, E, K, s).reshape(-1), minlength=E).tolist()])
+        for s in range(3)])
+    assert row["sim_fwd_ms"] == pytest.approx(want, rel=1e-9)
+    even = curve(tokens * K / E, 3.0, 6.0)  # the old model: rows spread evenly
+    assert row["sim_fwd_ms"] > even * 1.05  # a skewed load costs more than its mean
