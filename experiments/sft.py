@@ -190,7 +190,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parse_settings(args.settings)
     except ValueError as e:
         p.error(str(e))
-    if not Path(args.sft_data).is_file():
+    # analysing finished runs reads only their metrics (a clone re-makes the tables of
+    # experiments/results/ without the fine-tuning data)
+    if not args.analyse_only and not Path(args.sft_data).is_file():
         p.error(f"--sft-data {args.sft_data}: no such file; build it with `lrmoe data "
                 f"wordnet-alpaca --out {args.sft_data}` or give an Alpaca JSON/JSONL file")
     out = Path(args.out or f"runs/experiments/{RECIPE}-{args.preset}")
