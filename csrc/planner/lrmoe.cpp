@@ -150,7 +150,20 @@ class LRMoEPolicy final : public Policy {
         if (x.expert == e && x.rank == j) return true;
       return false;
     };
-    std::vector<int64_t> owner_bwd(Q);  // retained rows left at the owner
+    // A replica takes forward rows (detail::Replica::rows; detail::assemble then splits
+    // the expert's quota over its instances in proportion to their forward rows), so a
+    // moved forward row of expert e carries Q_e / n_e retained rows with it. The forward
+    // is exact: at c > 0 an expert has n_e - Q_e forward rows beyond its retained ones,
+    // which must be able to move too (counting moves in retained rows left them at the
+    // owner, and a hot expert's forward alone could then exceed the budget where ultraep
+    // fits: docs/simulation.md, "Speed").
+    std::vector<int64_t> owner_fwd(n_E);  // forward rows left at the owner
+    auto retained_of = [&](int32_t e, int64_t f) {  // ~ f * Q_e / n_e, rounded to nearest
+      return n_E[e] > 0 ? static_cast<int64_t>(std::llround(static_cast<double>(f) *
+                                                            static_cast<double>(Q[e]) /
+                                                            static_cast<double>(n_E[e])))
+                        : 0;
+    };
     std::vector<int32_t> ranks(static_cast<size_t>(W));
     std::iota(ranks.begin(), ranks.end(), 0);
     std::stable_sort(ranks.begin(), ranks.end(), [&](int32_t a, int32_t b) {
@@ -162,30 +175,53 @@ class LRMoEPolicy final : public Policy {
       std::vector<int32_t> hot = owned_by(r);
       std::stable_sort(hot.begin(), hot.end(), [&](int32_t a, int32_t b) { return Q[a] > Q[b]; });
       for (int32_t e : hot) {
-        while (owner_bwd[e] > 0) {
-          const int64_t need = rows_to_shed(r, fb + bb);
-          if (need == 0) break;
+        if (n_E[e] == 0) continue;
+        // bytes one moved forward row takes along, and its retained share
+        const double share = static_cast<double>(Q[e]) / static_cast<double>(n_E[e]);
+        const double row_bytes = static_cast<double>(fb) + static_cast<double>(bb) * share;
+        auto fwd_rows_for = [&](int64_t bytes, int64_t bwd_rows, bool up) {
+          // forward rows whose bytes reach `bytes` and whose retained rows reach bwd_rows
+          // (up: the fewest that do; else the most that stay within them)
+          double f = row_bytes > 0 ? static_cast<double>(bytes) / row_bytes : 0.0;
+          if (share > 0) {
+            const double g = static_cast<double>(bwd_rows) / share;
+            f = up ? std::max(f, g) : std::min(f, g);
+          }
+          return static_cast<int64_t>(up ? std::ceil(f) : std::floor(f));
+        };
+        while (owner_fwd[e] > 0) {
+          const int64_t over = std::max<int64_t>(0, over_bytes(r));
+          const int64_t over_rows = std::max<int64_t>(0, bwd_W[r] - cap_rows);
+          if (over == 0 && over_rows == 0) break;
+          const int64_t need = fwd_rows_for(over, over_rows, true);
+          if (need <= 0) break;  // nothing this expert's rows can shed (no retained share)
           int32_t t = -1;
           int64_t t_rows = 0;
           bool slot_short = false;
           for (int32_t j = 0; j < W; ++j) {
             if (j == r) continue;
             if (holds(e, j)) continue;
-            // rows j can take with a new replica: bytes left after the copy, row capacity
+            // forward rows j can take with a new replica: bytes left after the copy,
+            // and its row capacity for their retained share
             const int64_t left = -over_bytes(j) - copy;
-            int64_t rows = left < 0 ? 0 : (fb + bb > 0 ? left / (fb + bb) : kUnbounded);
-            rows = std::min(rows, std::max<int64_t>(0, cap_rows - bwd_W[j]));
+            if (left <= 0) continue;
+            const int64_t room = cap_rows == kUnbounded ? kUnbounded
+                                                        : std::max<int64_t>(0, cap_rows - bwd_W[j]);
+            const int64_t rows = share > 0 && room != kUnbounded
+                                     ? fwd_rows_for(left, room, false)
+                                     : fwd_rows_for(left, kUnbounded, false);
             if (rows <= 0) continue;
             if (reps_W[j] >= in.replica_slots) { slot_short = true; continue; }
             if (rows > t_rows) { t = j; t_rows = rows; }
           }
           if (t < 0) { slots_bind = slots_bind || slot_short; break; }
-          const int64_t q = std::min({need, owner_bwd[e], t_rows});
+          const int64_t q = std::min({need, owner_fwd[e], t_rows});
+          const int64_t qb = retained_of(e, q);
           replicas.push_back({e, t, q});
-          owner_bwd[e] -= q;
+          owner_fwd[e] -= q;
           reps_W[t] += 1;
-          fwd_W[t] += q; bwd_W[t] += q;
-          fwd_W[r] -= q; bwd_W[r] -= q;
+          fwd_W[t] += q; bwd_W[t] += qb;
+          fwd_W[r] -= q; bwd_W[r] -= qb;
         }
       }
     }

@@ -366,6 +366,36 @@ TEST(PlannerKnownAnswers, LRMoECutsTheHottestExpertBeforeAddingReplicas) {
   EXPECT_EQ(p.shortfall, 1);
 }
 
+TEST(PlannerKnownAnswers, LRMoEMovesForwardRowsBeyondTheRetainedOnes) {
+  // W = E = 4, one hot expert: 10 rows from source 0 to expert 0, c = 0.5 -> Q_0 = 5 (its
+  // cut floor too). 1 byte per forward and per retained row, 4 bytes per GPU, 1 slot.
+  // The forward is exact, so rank 0 must shed forward rows beyond the 5 retained ones:
+  // counting moves in retained rows (the first version) stopped after 5 and left 5 > 4
+  // forward rows at the owner. A moved forward row takes 1 + 0.5 bytes: rank 0 is 11
+  // bytes over; ranks 1-3 take floor(4 / 1.5) = 2 forward rows each (3 replicas), leaving
+  // 4 at the owner. The quota 5 then splits over forward [4, 2, 2, 2] within the rooms
+  // left [0, 2, 2, 2]: largest remainder [2, 1, 1, 1], rank 0's 2 over its room go to
+  // the slack [0, 1, 1, 1] as [0, 1, 1, 0]: retained [0, 2, 2, 1].
+  PlanInput in;
+  in.num_ranks = 4;
+  in.num_experts = 4;
+  in.load_WE.assign(16, 0);
+  in.load_WE[0] = 10;
+  in.recalibration_rate = 0.5;
+  in.replica_slots = 1;
+  in.memory = {0, 0, 0, true, 1, 1, 4, 0};
+  const Plan p = make_plan("lrmoe", in);
+  EXPECT_TRUE(p.feasible) << p.reason;
+  EXPECT_EQ(p.quota_E, (std::vector<int64_t>{5, 0, 0, 0}));
+  EXPECT_EQ(p.replicas, 3);
+  EXPECT_EQ(p.instance_rank, (std::vector<int32_t>{0, 1, 2, 3, 1, 2, 3}));
+  EXPECT_EQ(p.forward_rows_W, (std::vector<int64_t>{4, 2, 2, 2}));
+  EXPECT_EQ(p.backward_rows_W, (std::vector<int64_t>{0, 2, 2, 1}));
+  // the baselines keep every pair in the backward: 10 + 10 bytes > 4 x 4, infeasible
+  // however they place replicas
+  EXPECT_FALSE(make_plan("ultraep", in).feasible);
+}
+
 TEST(PlannerKnownAnswers, LRMoEBalanceTarget) {
   // W = 2, E = 2, n = [6, 2] (expert e on rank e), slack 0: target ceil(sum(Q) / 2).
   // c = 0: Q = [6, 2], target 4, no cut at c = 0 -> 2 rows of expert 0 go to a replica on
