@@ -190,6 +190,11 @@ def profile_step(method, inputs: Inputs, device: torch.device, split: bool = Fal
     ``lrmoe:backward`` one (the parts of :func:`lrmoe.bench.profile.where_time_goes`).
     Returns the list of profiles."""
     x = inputs.xs[0].detach().requires_grad_()
+    # from cleared gradients, as every timed step (time_iterations): else the step's
+    # AccumulateGrad adds into the last step's weight gradients (0.82 ms of the Qwen3
+    # layer's profiled backward on the H200, docs/performance.md session 5)
+    for p in method.params:
+        p.grad = None
 
     def sync():
         if device.type == "cuda":

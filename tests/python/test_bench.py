@@ -443,3 +443,23 @@ def test_a_method_out_of_memory_keeps_the_other_rows(tmp_path, monkeypatch):
     assert by["dropless"]["status"].startswith("out of memory") and by["dropless"]["fwd_ms"] is None
     assert by["lrmoe"]["fwd_ms"] > 0
     assert (tmp_path / "out" / "layer_bench.md").read_text().count("out of memory") >= 1
+
+
+def test_profiled_step_starts_from_cleared_gradients():
+    """The profiled step is one step like the timed ones: its weight gradients are one
+    backward's (an independent backward of a fresh copy), not added to the last timed
+    step's, so its profile holds no gradient accumulation."""
+    from lrmoe.bench.routing import make_inputs
+    from lrmoe.bench.timing import Timer, profile_step, time_iterations
+    case = Case("smoke", 32, "uniform", torch.float32)
+    dev = torch.device("cpu")
+    (m,) = build_methods(case, [0.0], ["lrmoe"], dev)
+    inputs = make_inputs(case, dev, 2, None)
+    time_iterations(m, inputs, Timer(dev), 1, 2)  # leaves the last step's .grad
+    profile_step(m, inputs, dev)
+    got = [p.grad.clone() for p in m.params]
+    for p in m.params:
+        p.grad = None
+    m.forward(inputs.xs[0].detach().requires_grad_(), inputs.ids[0]).backward(inputs.gs[0])
+    for a, p in zip(got, m.params):
+        assert torch.equal(a, p.grad)
