@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The experiment grid of one GPU session (docs/experiments.md), most needed first, each
+# step under its own time cap so that a session cut short keeps every finished cell:
+#   1. the CUDA build (setup.py build_ext --inplace, LRMOE_CUDA=1);
+#   2. the CUDA-graph checks the last session could not re-run (test_layer_gpu.py -k
+#      graph) and the Qwen3 layer's graph rows (lrmoe bench layer --cuda-graph);
+#   3. the SFT grid for SFT_SEEDS (default "1 2"; seed 0 is committed in
+#      experiments/results/sft-gpu-small-seed0.tar.gz: to analyse all seeds, unpack it
+#      and the returned sft_runs.tar.gz into one folder and run experiments/sft.py
+#      --analyse-only there; the base is the same, base seed 0);
+#   4. the from-scratch grid (experiments/full_grid.py, 300 steps, seeds 0 1 2), which
+#      skips the cells given in GRID_FROM (a results tarball unpacked first).
+# Usage: bash scripts/device_experiments.sh OUTDIR
+# One device call allows 600 s: the script stops starting work at BUDGET seconds (540)
+# and keeps its runs in WORK (/tmp/lrmoe-device), so the same command in the next call
+# continues them where the machine is still warm (the runners skip finished cells and
+# resume interrupted ones; a fresh machine starts over, the files under OUTDIR are
+# what survives). Per SFT seed about 11 minutes of H200 at JOBS=6 (evaluation every 20
+# steps is most of it), the base once per machine (85 s).
+# Needs LRMOE_GCIDE_DIR (Debian dict-gcide files) and SFT_DATA_GZ (the gzipped output of
+# `lrmoe data wordnet-alpaca`); both travel in an ignored folder named in the device
+# call's carry. Writes at most 8 files: log.txt, gpu_tests.txt, layer_bench.md,
+# sft_report.md, sft_runs.tar.gz, grid_report.md, grid_runs.tar.gz.
+# Environment: PYTHON (python3), MAX_JOBS (16), BUDGET (540), WORK, CAP_TESTS (40),
+# CAP_BENCH (90), SKIP_CHECKS (1: no tests and bench, e.g. in a continuing call), JOBS (6
+# cells at once: a gpu-small cell peaks near 21 GiB), GRID_FROM (default
+# experiments/results/gpu-small-300-steps.tar.gz).
+set -uo pipefail
+out="${1:?usage: scripts/device_experiments.sh OUTDIR}"
+cd "$(dirname "$0")/.."
+: "${LRMOE_GCIDE_DIR:?set LRMOE_GCIDE_DIR to the dict-gcide files (carry them)}"
+: "${SFT_DATA_GZ:?set SFT_DATA_GZ to wordnet_alpaca.jsonl.gz (carry it)}"
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+py="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" LRMOE_CUDA=1
+export MAX_JOBS="${MAX_JOBS:-16}"
+work="${WORK:-/tmp/lrmoe-device}"
+mkdir -p "$work"
+seeds="${SFT_SEEDS:-1 2}"
+jobs="${JOBS:-6}"
+t0=$(date +%s)
+left() {  # seconds to the budget, at most $1
+  local l=$(( ${BUDGET:-540} - ($(date +%s) - t0) ))
+  (( l > ${1:-100000} )) && l=$1
+  (( l < 1 )) && l=1
+  echo "$l"
+}
+log() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$out/log.txt"; }
+pack() {  # a recipe's runs without checkpoints or weights, and its report
+  local name="$1" dir="$2"
+  [[ -d "$dir" ]] || return 0
+  cp "$dir/report.md" "$out/${name}_report.md" 2>/dev/null
+  tar czf "$out/${name}_runs.tar.gz" --exclude='checkpoints' --exclude='*.pt' \
+    --exclude='*.safetensors' --exclude='*.png' -C "$(dirname "$dir")" "$(basename "$dir")"
+}
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } \
+  >> "$out/log.txt" 2>&1
+"$py" setup.py build_ext --inplace > "$work/build.log" 2>&1 \
+  || { tail -40 "$work/build.log" >> "$out/log.txt"; log "build FAILED"; exit 1; }
+log "build done"
+
+if [[ "${SKIP_CHECKS:-0}" != 1 ]]; then
+  timeout "$(left "${CAP_TESTS:-40}")" "$py" -m pytest -q -ra -p no:cacheprovider -m gpu \
+    tests/python/test_layer_gpu.py -k graph > "$out/gpu_tests.txt" 2>&1
+  log "graph tests rc $? ($(grep -E 'passed|failed' "$out/gpu_tests.txt" | tail -1))"
+  timeout "$(left "${CAP_BENCH:-90}")" "$py" -m lrmoe bench layer --shapes qwen3-30b-a3b \
+    --tokens 32768 --routing skewed --rates 0 0.2 0.3 --methods lrmoe --cuda-graph --iters 8 \
+    --warmup 3 --out "$work/bench" > "$work/bench_stdout.txt" 2>&1
+  log "graph bench rc $?"
+  cp "$work/bench/layer_bench.md" "$out/" 2>/dev/null
+fi
+
+[[ -f "$work/wordnet_alpaca.jsonl" ]] || gunzip -c "$SFT_DATA_GZ" > "$work/wordnet_alpaca.jsonl"
+# shellcheck disable=SC2086  # the seeds are words
+timeout -s INT "$(left)" "$py" experiments/sft.py --preset gpu-small \
+  --device cuda --pretrain-steps 300 --sft-data "$work/wordnet_alpaca.jsonl" --sft-steps 200 \
+  --eval-every 20 --seeds $seeds --prune-checkpoints --jobs "$jobs" --out "$work/sft" \
+  > "$work/sft_stdout.txt" 2>&1
+log "sft rc $? (seeds $seeds)"
+# shellcheck disable=SC2086
+"$py" experiments/sft.py --preset gpu-small --sft-data none --pretrain-steps 300 \
+  --sft-steps 200 --seeds $seeds --out "$work/sft" --analyse-only > /dev/null 2>&1
+pack sft "$work/sft"
+
+from="${GRID_FROM:-experiments/results/gpu-small-300-steps.tar.gz}"
+[[ -d "$work/grid" ]] || { mkdir -p "$work/grid" && [[ -f "$from" ]] && tar xzf "$from" -C "$work/grid"; }
+A="--preset gpu-small --device cuda --steps 300 --seeds 0 1 2 --eval-every 25 --prune-checkpoints"
+# shellcheck disable=SC2086
+(( $(left) > 60 )) && timeout -s INT "$(left)" "$py" experiments/full_grid.py $A --jobs "$jobs" \
+  --out "$work/grid" > "$work/grid_stdout.txt" 2>&1
+log "grid rc $?"
+# shellcheck disable=SC2086
+"$py" experiments/full_grid.py $A --out "$work/grid" --analyse-only > /dev/null 2>&1
+pack grid "$work/grid"
+log "done"
