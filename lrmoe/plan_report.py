@@ -61,9 +61,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                      help="lrmoe: most of one expert's demand it may cut under the budget")
     pol.add_argument("--row-capacity", type=int, default=0, metavar="ROWS",
                      help="most retained rows per rank (0: memory only)")
-    pol.add_argument("--balance", type=float, default=0.05, metavar="SLACK",
-                     help="lrmoe: aim at most (1 + SLACK) x the mean retained rows per rank "
-                          "(a negative value: memory only)")
+    pol.add_argument("--balance", type=float, default=P.DEFAULT_BALANCE_SLACK,
+                     metavar="SLACK",
+                     help="lrmoe: aim at most (1 + SLACK) x the mean retained rows per rank, "
+                          "with replicas (default %(default)s; a negative value: memory "
+                          "only)")
     pol.add_argument("--min-replica-rows", type=int, default=1, metavar="U",
                      help="ultraep u_min: the fewest rows a replica carries")
     out = p.add_argument_group("output")

@@ -178,10 +178,19 @@ class Plan:
         return int(self.memory_W4.sum(dim=1).max().item())
 
 
+#: ``lrmoe``'s balance target by default: at most the mean retained rows per rank, met
+#: with replicas only (it never cuts demand: c alone decides what the backward drops).
+#: Simulated on the H200 costs it is what makes lrmoe the fastest policy from EP8 to
+#: EP128 at the same kept pairs (experiments/sim_balance.py, docs/simulation.md "The
+#: balance target"); None turns it off (memory and row capacity only).
+DEFAULT_BALANCE_SLACK: Optional[float] = 0.0
+
+
 def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 0.0,
          quota_rule: str = "proportional", replica_slots: int = 2, symi_slots: int = 0,
          previous_load_E=None, max_expert_cut: float = 0.5, backward_row_capacity: int = 0,
-         min_replica_rows: int = 1, balance_slack: Optional[float] = None) -> Plan:
+         min_replica_rows: int = 1,
+         balance_slack: Optional[float] = DEFAULT_BALANCE_SLACK) -> Plan:
     """Plan one layer's placement with ``policy`` (csrc/planner; docs/planner.md).
 
     Args:
@@ -200,8 +209,9 @@ def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 
         backward_row_capacity: most retained rows per rank (0: memory only).
         min_replica_rows: ultraep's u_min, the fewest rows a replica carries.
         balance_slack: lrmoe also aims at most (1 + this) x the mean retained rows per
-            rank (cutting the hot ranks' experts within their floors, then replicating);
-            a target, never a reason to be infeasible. None: memory (and row capacity) only.
+            rank, with replicas (the target never cuts demand); a target, never a reason
+            to be infeasible. Default :data:`DEFAULT_BALANCE_SLACK` (0); None: memory
+            (and row capacity) only.
 
     Returns:
         A :class:`Plan`; ``plan.feasible`` is False (with ``plan.reason``) when it cannot fit.

@@ -20,7 +20,7 @@ import yaml
 from lrmoe import _C  # noqa: F401  (registers the ops)
 from lrmoe.bench.timing import PHASES_BWD, PHASES_FWD
 from lrmoe.calibrate import load_costs
-from lrmoe.planner import MemoryModel, ModelShape, synthetic_loads
+from lrmoe.planner import DEFAULT_BALANCE_SLACK, MemoryModel, ModelShape, synthetic_loads
 
 #: the columns of the op's fields (csrc/ops/sim.cpp kFields, same order); times in ms,
 #: bytes plain; memory parts are each part's maximum over ranks, ``memory_peak`` the
@@ -225,7 +225,7 @@ def memory_model(shape: ModelShape, budget_bytes: int, resident_bytes: int,
 def simulate(load_SLWE: np.ndarray, policy: str, memory: MemoryModel, costs: Costs,
              links: Links, hidden: int, recalibration_rate: float = 0.0,
              replica_slots: int = 2, symi_slots: int = 0, max_expert_cut: float = 0.5,
-             balance_slack: Optional[float] = None, min_replica_rows: int = 1,
+             balance_slack: Optional[float] = DEFAULT_BALANCE_SLACK, min_replica_rows: int = 1,
              offload: bool = False, offload_row_bytes: int = 0, elem_bytes: int = 2,
              threads: int = 2, per_rank_bytes: bool = False, multiplier: float = 0.0,
              max_micro_batches: int = 64, chunk_steps: int = 16) -> dict:

@@ -28,7 +28,7 @@ import numpy as np
 
 from lrmoe import sim as S
 from lrmoe.paths import check_output
-from lrmoe.planner import GiB, MODEL_SHAPES, POLICIES, ModelShape
+from lrmoe.planner import DEFAULT_BALANCE_SLACK, GiB, MODEL_SHAPES, POLICIES, ModelShape
 
 LABELS = {"fixed": "Megatron-LM (fixed)", "ultraep": "UltraEP", "symi": "SYMI",
           "lrmoe": "LRMoE"}
@@ -65,6 +65,9 @@ def add_sim_arguments(p) -> None:
     p.add_argument("--budget-gib", type=float, default=80.0)
     p.add_argument("--resident-gib", type=float, default=64.0)
     p.add_argument("--replica-slots", type=int, default=2)
+    p.add_argument("--balance-slack", type=float, default=DEFAULT_BALANCE_SLACK,
+                   help="lrmoe: aim at most (1 + this) x the mean retained rows per rank, "
+                        "with replicas (default %(default)s, as the runtime; negative: off)")
     p.add_argument("--offload", action="store_true", help="saved activations on the host")
     p.add_argument("--pressure", nargs="*", type=float, default=[1, 2, 4, 8, 12, 16, 20, 24, 32],
                    help="batch multipliers of Fig. 6 (none: skip)")
@@ -95,6 +98,7 @@ def _run(args, shape, costs, links, policy, loads, multiplier=0.0, memory=None):
     mem = memory or _memory(shape, args, args.offload)
     res = S.simulate(loads, policy, mem, costs, links, shape.hidden_size, rate,
                      replica_slots=args.replica_slots, threads=args.threads,
+                     balance_slack=None if args.balance_slack < 0 else args.balance_slack,
                      offload=args.offload,
                      offload_row_bytes=4 * shape.moe_intermediate_size if args.offload else 0,
                      multiplier=multiplier)
@@ -162,7 +166,8 @@ def run_sim(args) -> dict:
                                 trace=args.trace, skew=None if args.trace else args.skew,
                                 rate=args.rate, budget_gib=args.budget_gib,
                                 resident_gib=args.resident_gib, offload=args.offload,
-                                replica_slots=args.replica_slots),
+                                replica_slots=args.replica_slots,
+                                balance_slack=args.balance_slack),
                      costs=dict(file=args.costs, shape=costs.shape, meta=costs.meta),
                      links=dict(name=links.name, sources=links.sources), policies={})
     for pol in args.policies:

@@ -35,6 +35,7 @@ from torch.profiler import record_function as phase  # names the benchmark's bre
 from lrmoe import ops
 from lrmoe.config import LRMoEConfig
 from lrmoe.parallel.dispatch import all_to_all_rows
+from lrmoe.planner import DEFAULT_BALANCE_SLACK
 from lrmoe.parallel.plan import (InstanceLayout, WeightRoutes, cell_shares, h2d,
                                  weight_routes)
 
@@ -57,7 +58,9 @@ class Placement:
         replica_slots: R spare expert slots per rank (``ultraep`` needs R >= 1).
         symi_slots: S slots per GPU for ``symi`` (0: ceil(E / W) + R).
         max_expert_cut: ``lrmoe`` keeps at least floor((1 - this) n_e) of each expert.
-        balance_slack: ``lrmoe``'s balance target (None: memory only).
+        balance_slack: ``lrmoe``'s balance target, met with replicas
+            (:data:`lrmoe.planner.DEFAULT_BALANCE_SLACK`, 0: at most the mean retained
+            rows per rank; None: memory only).
     """
 
     policy: str
@@ -66,7 +69,7 @@ class Placement:
     replica_slots: int = 2
     symi_slots: int = 0
     max_expert_cut: float = 0.5
-    balance_slack: Optional[float] = None
+    balance_slack: Optional[float] = DEFAULT_BALANCE_SLACK
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

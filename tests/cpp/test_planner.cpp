@@ -411,12 +411,18 @@ TEST(PlannerKnownAnswers, LRMoEBalanceTarget) {
   EXPECT_EQ(p.backward_rows_W, (std::vector<int64_t>{4, 4}));
   EXPECT_EQ(p.forward_rows_W, (std::vector<int64_t>{4, 4}));
   // c = 0.25: 4.5 and 1.5 -> [4, 1] + 1 extra (floor(6) = 6; remainders tie, lower index)
-  // = [5, 1]; target 3: rank 0 cuts expert 0 from 5 to 3 (its floor floor(0.5 x 6) = 3),
-  // which fits: no replica.
+  // = [5, 1]; target 3. The target never cuts (c alone sets the quotas): rank 0 is 2
+  // retained rows over, and a forward row of expert 0 carries 5/6 of one, so it needs
+  // ceil(2 / (5/6)) = 3 forward rows moved; rank 1 has room for 3 - 1 = 2 retained rows,
+  // floor(2 / (5/6)) = 2 forward rows: a replica of expert 0 with 2 of its 6 forward
+  // rows. Expert 1 (one instance) is placed first; expert 0's 5 retained rows split over
+  // forward [4, 2] within the rooms [3, 2]: largest remainder [3, 2].
   in.recalibration_rate = 0.25;
   p = make_plan("lrmoe", in);
-  EXPECT_EQ(p.quota_E, (std::vector<int64_t>{3, 1}));
-  EXPECT_EQ(p.replicas, 0);
+  EXPECT_EQ(p.quota_E, (std::vector<int64_t>{5, 1}));
+  EXPECT_EQ(p.replicas, 1);
+  EXPECT_EQ(p.forward_rows_W, (std::vector<int64_t>{4, 4}));
+  EXPECT_EQ(p.backward_rows_W, (std::vector<int64_t>{3, 3}));
   // without the target nothing happens: [5, 1] on one instance each
   in.balance_slack = -1.0;
   p = make_plan("lrmoe", in);

@@ -97,13 +97,26 @@ def test_toy_hot_expert_replica_freed_by_the_cut():
     # needs one replica of expert 0.
     load = np.diag([4, 2, 3])
     memory = P.MemoryModel(0, 0, 0, 0, 1, budget_bytes=3, resident_bytes=0)
-    cut = P.plan(load, "lrmoe", memory, recalibration_rate=1 / 3, replica_slots=1)
+    # memory only (balance_slack None): the default balance target would level [3, 1, 2]
+    # with a replica of expert 0, which is not what this checks
+    cut = P.plan(load, "lrmoe", memory, recalibration_rate=1 / 3, replica_slots=1,
+                 balance_slack=None)
     quota_op = torch.ops.lrmoe.quota(torch.tensor([4, 2, 3], dtype=torch.int32), 1 / 3,
                                      "proportional")
     assert cut.quota_E.tolist() == quota_op.tolist() == [3, 1, 2]
     assert cut.replicas == 0 and cut.feasible
-    exact = P.plan(load, "lrmoe", memory, recalibration_rate=0.0, replica_slots=1)
+    exact = P.plan(load, "lrmoe", memory, recalibration_rate=0.0, replica_slots=1,
+                   balance_slack=None)
     assert exact.replicas == 1 and exact.feasible and exact.instances(0) == [0, 1]
+    # the default balance target (the mean, 2 retained rows per rank) levels them with a
+    # replica and never cuts: rank 0 is 1 row over; a forward row of expert 0 carries 3/4
+    # of a retained one, and rank 1 has room for 1 more retained row (1 forward row): a
+    # replica of expert 0 on rank 1 with 1 of its 4 forward rows; its 3 retained rows
+    # split over forward [3, 1] within the rooms [2, 1] -> [2, 1]; rows per rank [2, 2, 2]
+    level = P.plan(load, "lrmoe", memory, recalibration_rate=1 / 3, replica_slots=1)
+    assert level.quota_E.tolist() == [3, 1, 2] and level.feasible
+    assert level.replicas == 1 and level.instances(0) == [0, 1]
+    assert level.backward_rows_W.tolist() == [2, 2, 2]
     fixed = P.plan(load, "fixed", memory)
     assert not fixed.feasible and fixed.binding == "memory" and fixed.shortfall == 1
     assert "rank 0" in fixed.reason
