@@ -25,6 +25,7 @@
 // forward rows x forward_row_bytes, retained rows x backward_row_bytes.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <numeric>
 
@@ -148,11 +149,14 @@ class LRMoEPolicy final : public Policy {
 
     // 3. replicas for ranks still over, most over first
     std::vector<detail::Replica> replicas;
+    // held_EW[e * W + j]: rank j holds an instance of e (a flat table: the balance target
+    // places many replicas, and scanning the list for every candidate rank made the
+    // planner quadratic in them; tests/cpp/bench_sim.cpp)
+    std::vector<uint8_t> held_EW(static_cast<size_t>(E) * W, 0);
+    for (int32_t e = 0; e < E; ++e)
+      held_EW[static_cast<size_t>(e) * W + detail::fixed_owner(e, E, W)] = 1;
     auto holds = [&](int32_t e, int32_t j) {
-      if (detail::fixed_owner(e, E, W) == j) return true;
-      for (const detail::Replica& x : replicas)
-        if (x.expert == e && x.rank == j) return true;
-      return false;
+      return held_EW[static_cast<size_t>(e) * W + j] != 0;
     };
     // A replica takes forward rows (detail::Replica::rows; detail::assemble then splits
     // the expert's quota over its instances in proportion to their forward rows), so a
@@ -222,6 +226,7 @@ class LRMoEPolicy final : public Policy {
           const int64_t q = std::min({need, owner_fwd[e], t_rows});
           const int64_t qb = retained_of(e, q);
           replicas.push_back({e, t, q});
+          held_EW[static_cast<size_t>(e) * W + t] = 1;
           owner_fwd[e] -= q;
           reps_W[t] += 1;
           fwd_W[t] += q; bwd_W[t] += qb;

@@ -6,6 +6,7 @@
 #include "sim/sim.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -346,10 +347,14 @@ std::vector<LayerResult> simulate_trace(const std::string& policy, const planner
   const int64_t N = steps * layers;
   std::vector<LayerResult> out(static_cast<size_t>(N));
   std::vector<std::string> errors(static_cast<size_t>(threads));
+  // layers are taken one at a time from a shared counter: their planning cost varies
+  // (replicas, infeasible plans), and a fixed interleaving left a thread idle at the
+  // end of every chunk (tests/cpp/bench_sim.cpp ran at 179 % of 2 cores)
+  std::atomic<int64_t> next{0};
   auto work = [&](int32_t t) {
     planner::PlanInput in = base;
     try {
-      for (int64_t j = t; j < N; j += threads) {
+      for (int64_t j = next++; j < N; j = next++) {
         const size_t at = static_cast<size_t>(j) * cell;
         in.load_WE.assign(loads_SLWE.begin() + at, loads_SLWE.begin() + at + cell);
         in.previous_load_E.clear();

@@ -1,6 +1,6 @@
 // Speed benchmark of csrc/sim: steps x layers of one expert-parallel group per policy.
 //
-//   ./bench_sim [steps=1000] [layers=48] [gpus=1024] [threads=2] [experts=128]
+//   ./bench_sim [steps=1000] [layers=48] [gpus=1024] [threads=2] [experts=128] [slack=0]
 //
 // The GPUs form data-parallel copies of one EP group of min(gpus, experts) ranks
 // (nodes of 8); the simulator replays one representative group (docs/simulation.md,
@@ -8,8 +8,10 @@
 // (4 x 8192 tokens x top-8), Zipf-skewed per layer (exponent 1, hot experts at random
 // ids per layer), 16 distinct steps of +-20 % noise replayed in turn as a re-sampled
 // trace is. Costs: the Qwen3-30B-A3B figures of docs/performance.md (one point per
-// experts count, linear in rows), NVLink 370 GB/s, network 50 GB/s per GPU. c = 0.3 for
-// lrmoe. Prints wall seconds per policy and in all.
+// experts count, linear in rows), NVLink 370 GB/s, network 50 GB/s per GPU. c = 0.3 and
+// the balance target `slack` for lrmoe (0, the library's default,
+// lrmoe.planner.DEFAULT_BALANCE_SLACK; negative: off). Prints wall seconds per policy
+// and in all.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -29,6 +31,7 @@ int main(int argc, char** argv) {
   const int gpus = argc > 3 ? std::atoi(argv[3]) : 1024;
   const int threads = argc > 4 ? std::atoi(argv[4]) : 2;
   const int E = argc > 5 ? std::atoi(argv[5]) : 128;
+  const double slack = argc > 6 ? std::atof(argv[6]) : 0.0;
   const int W = std::min(gpus, E);
   const int64_t distinct = 16, pairs = 4 * 8192 * 8;
   const size_t cell = static_cast<size_t>(W) * E;
@@ -74,6 +77,7 @@ int main(int argc, char** argv) {
   for (const char* policy : {"fixed", "ultraep", "symi", "lrmoe"}) {
     planner::PlanInput in = base;
     in.recalibration_rate = std::string(policy) == "lrmoe" ? 0.3 : 0.0;
+    in.balance_slack = slack;
     const auto t0 = std::chrono::steady_clock::now();
     double sum_ms = 0;
     int64_t ok = 0, n = 0;
