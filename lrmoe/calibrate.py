@@ -134,6 +134,15 @@ class _Case(Case):
         return self._dims
 
 
+def point_rest(point: dict, backward: bool) -> float:
+    """ms of a calibration point's forward (or backward) median outside its named phases
+    (:data:`lrmoe.bench.timing.PHASES_FWD` / ``PHASES_BWD``): launches, the allocator and
+    small kernels between the ranges. Never below 0 (the medians and the one profiled
+    step differ a little)."""
+    total, phases = ("bwd_ms", PHASES_BWD) if backward else ("fwd_ms", PHASES_FWD)
+    return max(0.0, point[total] - sum(point["phases_ms"].get(k, 0.0) for k in phases))
+
+
 def per_row_costs(points: List[dict]) -> Dict[str, float]:
     """ms per pair of each non-GEMM phase at the point with the most pairs (where
     launch overheads weigh least), plus ``fwd_rest``/``bwd_rest``: the forward/backward
@@ -141,8 +150,8 @@ def per_row_costs(points: List[dict]) -> Dict[str, float]:
     big = max(points, key=lambda p: (p["pairs"], p["experts"]))
     ph, n = big["phases_ms"], big["pairs"]
     out = {k: ph.get(k, 0.0) / n for k in PHASES_FWD + PHASES_BWD if k not in GEMM_PHASES}
-    out["fwd_rest"] = max(0.0, big["fwd_ms"] - sum(ph.get(k, 0.0) for k in PHASES_FWD)) / n
-    out["bwd_rest"] = max(0.0, big["bwd_ms"] - sum(ph.get(k, 0.0) for k in PHASES_BWD)) / n
+    out["fwd_rest"] = point_rest(big, backward=False) / n
+    out["bwd_rest"] = point_rest(big, backward=True) / n
     return out
 
 

@@ -18,8 +18,7 @@ import torch
 import yaml
 
 from lrmoe import _C  # noqa: F401  (registers the ops)
-from lrmoe.bench.timing import PHASES_BWD, PHASES_FWD
-from lrmoe.calibrate import load_costs
+from lrmoe.calibrate import load_costs, point_rest
 from lrmoe.planner import DEFAULT_BALANCE_SLACK, MemoryModel, ModelShape, synthetic_loads
 
 #: the columns of the op's fields (csrc/ops/sim.cpp kFields, same order); times in ms,
@@ -97,9 +96,9 @@ class Costs:
                      for p in points)
         g = np.array([[p["experts"], p["rows_per_expert"],
                        p["phases_ms"].get("expert_gemm_fwd", 0.0)
-                       + (_rest(p, "fwd_ms", PHASES_FWD) if absorb else 0.0),
+                       + (point_rest(p, backward=False) if absorb else 0.0),
                        p["phases_ms"].get("expert_gemm_bwd", 0.0)
-                       + (_rest(p, "bwd_ms", PHASES_BWD) if absorb else 0.0)]
+                       + (point_rest(p, backward=True) if absorb else 0.0)]
                       for p in points], dtype=np.float64)
         if absorb:
             per_row["fwd_rest"] = per_row["bwd_rest"] = 0.0
@@ -107,11 +106,6 @@ class Costs:
                    float(data["bandwidth"].get("h2d_GBps") or 0.0), data["meta"],
                    float(data["bandwidth"].get("copy_GBps") or 0.0))
 
-
-def _rest(point: dict, total: str, phases: Sequence[str]) -> float:
-    """ms of a calibration point's forward or backward median outside its named phases
-    (never below 0: the medians and the one profiled step differ a little)."""
-    return max(0.0, point[total] - sum(point["phases_ms"].get(k, 0.0) for k in phases))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,27 +26,20 @@
 # cells at once: a gpu-small cell peaks near 21 GiB), GRID_FROM (default
 # experiments/results/gpu-small-300-steps.tar.gz).
 set -uo pipefail
-out="${1:?usage: scripts/device_experiments.sh OUTDIR}"
-cd "$(dirname "$0")/.."
+out_arg="${1:?usage: scripts/device_experiments.sh OUTDIR}"
 : "${LRMOE_GCIDE_DIR:?set LRMOE_GCIDE_DIR to the dict-gcide files (carry them)}"
 : "${SFT_DATA_GZ:?set SFT_DATA_GZ to wordnet_alpaca.jsonl.gz (carry it)}"
-mkdir -p "$out"
-out="$(cd "$out" && pwd)"
-py="${PYTHON:-python3}"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" LRMOE_CUDA=1
-export MAX_JOBS="${MAX_JOBS:-16}"
-work="${WORK:-/tmp/lrmoe-device}"
-mkdir -p "$work"
+# shellcheck source=scripts/device_common.sh
+source "$(dirname "$0")/device_common.sh"
+device_setup "$out_arg" "${WORK:-/tmp/lrmoe-device}"
 seeds="${SFT_SEEDS:-1 2}"
 jobs="${JOBS:-6}"
-t0=$(date +%s)
 left() {  # seconds to the budget, at most $1
   local l=$(( ${BUDGET:-540} - ($(date +%s) - t0) ))
   (( l > ${1:-100000} )) && l=$1
   (( l < 1 )) && l=1
   echo "$l"
 }
-log() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$out/log.txt"; }
 pack() {  # a recipe's runs without checkpoints or weights, and its report
   local name="$1" dir="$2"
   [[ -d "$dir" ]] || return 0
@@ -55,12 +48,7 @@ pack() {  # a recipe's runs without checkpoints or weights, and its report
     --exclude='*.safetensors' --exclude='*.png' -C "$(dirname "$dir")" "$(basename "$dir")"
 }
 
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } \
-  >> "$out/log.txt" 2>&1
-"$py" setup.py build_ext --inplace > "$work/build.log" 2>&1 \
-  || { tail -40 "$work/build.log" >> "$out/log.txt"; log "build FAILED"; exit 1; }
-log "build done"
+device_build
 
 if [[ "${SKIP_CHECKS:-0}" != 1 ]]; then
   timeout "$(left "${CAP_TESTS:-40}")" "$py" -m pytest -q -ra -p no:cacheprovider -m gpu \

@@ -19,17 +19,11 @@
 # test files), CAL_ITERS (calibration iterations per point), BENCH_METHODS (lrmoe dropless;
 # torchtitan is added where importable), BENCH_ITERS.
 set -uo pipefail
-out="${1:?usage: scripts/device_measure.sh OUTDIR [STEPS]}"
+out_arg="${1:?usage: scripts/device_measure.sh OUTDIR [STEPS]}"
 steps="${2:-20}"
-cd "$(dirname "$0")/.."
-mkdir -p "$out"
-out="$(cd "$out" && pwd)"
-py="${PYTHON:-python3}"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" LRMOE_CUDA=1
-export MAX_JOBS="${MAX_JOBS:-16}"
-work="$(mktemp -d)"
-t0=$(date +%s)
-log() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$out/log.txt"; }
+# shellcheck source=scripts/device_common.sh
+source "$(dirname "$0")/device_common.sh"
+device_setup "$out_arg" "$(mktemp -d)"
 pack() {  # everything so far into the two archives (re-made after each step)
   ( cd "$work" && tar czf "$out/results.tar.gz" --exclude='prof' --exclude='checkpoints' \
       --exclude='*.pt' --exclude='*.safetensors' . 2>/dev/null )
@@ -37,12 +31,7 @@ pack() {  # everything so far into the two archives (re-made after each step)
   return 0
 }
 
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } \
-  >> "$out/log.txt" 2>&1
-"$py" setup.py build_ext --inplace > "$work/build.log" 2>&1 \
-  || { tail -40 "$work/build.log" >> "$out/log.txt"; log "build FAILED"; pack; exit 1; }
-log "build done"
+device_build pack
 
 timeout "${CAP_TESTS:-120}" "$py" -m pytest -q -ra -p no:cacheprovider -m gpu \
   ${GPU_TESTS:-tests/python/test_offload.py tests/python/test_replicas.py \

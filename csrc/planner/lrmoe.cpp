@@ -213,11 +213,8 @@ class LRMoEPolicy final : public Policy {
             // and its row capacity for their retained share
             const int64_t left = -over_bytes(j) - copy;
             if (left <= 0) continue;
-            const int64_t room = cap_rows == kUnbounded ? kUnbounded
-                                                        : std::max<int64_t>(0, cap_rows - bwd_W[j]);
-            const int64_t rows = share > 0 && room != kUnbounded
-                                     ? fwd_rows_for(left, room, false)
-                                     : fwd_rows_for(left, kUnbounded, false);
+            const int64_t room = std::max<int64_t>(0, cap_rows - bwd_W[j]);
+            const int64_t rows = fwd_rows_for(left, room, false);
             if (rows <= 0) continue;
             if (reps_W[j] >= in.replica_slots) { slot_short = true; continue; }
             if (rows > t_rows) { t = j; t_rows = rows; }

@@ -73,9 +73,7 @@ def run_case(case: Case, rates: Sequence[float], methods: Sequence[str], device:
         except torch.OutOfMemoryError as err:
             # one method out of memory (e.g. after the CUDA-graph pools of the rows before
             # it) must not lose the rows already timed: report it, free, go on
-            for p in method.params:
-                p.grad = None
-            torch.cuda.empty_cache()
+            _release(method, device)
             rec.update(status=f"out of memory: {str(err).splitlines()[0][:200]}",
                        fwd_ms=None, bwd_ms=None, fwd_bwd_ms=None, iters=0, peak_bytes=None,
                        phases_ms={})
@@ -142,9 +140,7 @@ def _finish(rec: dict, method, prof, case: Case, device: torch.device,
 
 def _graph_failed(eager: dict, method, err: Exception) -> dict:
     """The record of a CUDA-graph row whose capture or replay raised: not timed, with
-    ``status`` naming the error."""
-    for p in method.params:
-        p.grad = None
+    ``status`` naming the error (the caller frees the method: :func:`_release`)."""
     rec = {k: eager[k] for k in ("shape", "tokens", "routing", "load_max_over_mean",
                                  "rate")}
     rec.update(method="lrmoe_graph", label=f"{eager['label']} graph", agreement=None,
