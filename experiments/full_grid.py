@@ -6,9 +6,10 @@ selection and quota rule, adaptive rate; each cell once (recipes share cells by 
 
 Cells run in a fixed order of importance, so that a grid cut short by a time limit has the
 cells that decide the main conclusions first: c = 0, then lrm importance and lrm top-k at
-c = 0.3, importance at c = 0.5, random at c = 0.3 (each over all seeds), then the rest of
-the rate sweep, the other metrics, the water-level quota rule at c = 0.3, the adaptive rate
-and the water-level rule at c = 0.5. The
+c = 0.3, importance at c = 0.5, random at c = 0.3 (each over all seeds); then, seed by
+seed (every setting once before any setting twice), the rest of the rate sweep, the other
+metrics, the water-level quota rule at c = 0.3, the adaptive rate and the water-level rule
+at c = 0.5. The
 report (``report.md`` next to the runs) holds each recipe's section, as the recipes
 themselves write them (``--analyse-only`` re-writes it from the runs).
 """
@@ -46,8 +47,12 @@ def namespaces(args):
     }
 
 
+#: Ranks of ``_first`` below this run over all seeds before the next rank starts.
+DECIDING = 5
+
+
 def _first(cell: Cell) -> int:
-    """Rank of a cell in the order of importance (the module docstring)."""
+    """Rank of a cell's setting in the order of importance (the module docstring)."""
     n = cell.name
     order = [lambda: n.startswith("c0-"), lambda: n.startswith("lrm-importance-proportional-c0.3-"),
              lambda: n.startswith("c0.3-"), lambda: n.startswith("lrm-importance-proportional-c0.5-"),
@@ -66,7 +71,10 @@ def cells(spaces) -> List[Cell]:
             if c.name not in seen:
                 seen.add(c.name)
                 out.append(c)
-    return sorted(out, key=_first)  # stable: seeds stay in order within a rank
+    def key(cell: Cell):
+        rank = _first(cell)
+        return (0, rank, 0) if rank < DECIDING else (1, cell.labels.get("seed", 0), rank)
+    return sorted(out, key=key)  # stable: seeds stay in order within a rank
 
 
 def analyse_all(spaces):

@@ -4,11 +4,16 @@
 #   1. the CUDA build (setup.py build_ext --inplace, LRMOE_CUDA=1);
 #   2. the CUDA-graph checks the last session could not re-run (test_layer_gpu.py -k
 #      graph) and the Qwen3 layer's graph rows (lrmoe bench layer --cuda-graph);
-#   3. the SFT grid for SFT_SEEDS (default "1 2"; seed 0 is committed in
+#   3. time to loss of the best setting (lrm importance, c = 0.3) against c = 0, seed 0,
+#      each cell alone on the device (experiments/time_to_loss.py, --jobs 1): its
+#      MoE-layer times and tokens/s are comparable only within one session;
+#   4. the SFT grid for SFT_SEEDS (default "1 2"; seed 0 is committed in
 #      experiments/results/sft-gpu-small-seed0.tar.gz: to analyse all seeds, unpack it
 #      and the returned sft_runs.tar.gz into one folder and run experiments/sft.py
-#      --analyse-only there; the base is the same, base seed 0);
-#   4. the from-scratch grid (experiments/full_grid.py, 300 steps, seeds 0 1 2), which
+#      --analyse-only there; the base is the same, base seed 0): first the cells that
+#      decide (lrm top-k and importance at c = 0.2 and 0.3: the paper's "C20 is free" is
+#      a difference of hundredths of a percent), then random at c = 0.3, then the rest;
+#   5. the from-scratch grid (experiments/full_grid.py, 300 steps, seeds 0 1 2), which
 #      skips the cells given in GRID_FROM (a results tarball unpacked first).
 # Usage: bash scripts/device_experiments.sh OUTDIR
 # One device call allows 600 s: the script stops starting work at BUDGET seconds (540)
@@ -20,7 +25,8 @@
 # Needs LRMOE_GCIDE_DIR (Debian dict-gcide files) and SFT_DATA_GZ (the gzipped output of
 # `lrmoe data wordnet-alpaca`); both travel in an ignored folder named in the device
 # call's carry. Writes at most 8 files: log.txt, gpu_tests.txt, layer_bench.md,
-# sft_report.md, sft_runs.tar.gz, grid_report.md, grid_runs.tar.gz.
+# ttl_report.md, sft_report.md, sft_runs.tar.gz, grid_report.md, grid_runs.tar.gz (the
+# time-to-loss runs join grid_runs.tar.gz under ttl/).
 # Environment: PYTHON (python3), MAX_JOBS (16), BUDGET (540), WORK, CAP_TESTS (40),
 # CAP_BENCH (90), SKIP_CHECKS (1: no tests and bench, e.g. in a continuing call), JOBS (6
 # cells at once: a gpu-small cell peaks near 21 GiB), GRID_FROM (default
@@ -61,13 +67,24 @@ if [[ "${SKIP_CHECKS:-0}" != 1 ]]; then
   cp "$work/bench/layer_bench.md" "$out/" 2>/dev/null
 fi
 
+T="--preset gpu-small --device cuda --steps 300 --seeds 0 --eval-every 25 --prune-checkpoints"
+# shellcheck disable=SC2086
+(( $(left) > 60 )) && timeout -s INT "$(left)" "$py" experiments/time_to_loss.py $T --jobs 1 \
+  --rates 0.3 --selection importance --targets 4.3 4.1 4.0 --out "$work/ttl" \
+  > "$work/ttl_stdout.txt" 2>&1
+log "time to loss rc $?"
+cp "$work/ttl/report.md" "$out/ttl_report.md" 2>/dev/null
+
 [[ -f "$work/wordnet_alpaca.jsonl" ]] || gunzip -c "$SFT_DATA_GZ" > "$work/wordnet_alpaca.jsonl"
-# shellcheck disable=SC2086  # the seeds are words
-timeout -s INT "$(left)" "$py" experiments/sft.py --preset gpu-small \
-  --device cuda --pretrain-steps 300 --sft-data "$work/wordnet_alpaca.jsonl" --sft-steps 200 \
-  --eval-every 20 --seeds $seeds --prune-checkpoints --jobs "$jobs" --out "$work/sft" \
-  > "$work/sft_stdout.txt" 2>&1
-log "sft rc $? (seeds $seeds)"
+S="--preset gpu-small --device cuda --pretrain-steps 300 --sft-data $work/wordnet_alpaca.jsonl"
+S="$S --sft-steps 200 --eval-every 20 --prune-checkpoints --jobs $jobs --out $work/sft"
+for part in "lrm:topk lrm:importance|0.2 0.3" "random:topk|0.3" \
+            "lrm:topk lrm:importance random:topk|0.2 0.3 0.5"; do
+  # shellcheck disable=SC2086  # seeds, settings and rates are words
+  (( $(left) > 60 )) && timeout -s INT "$(left)" "$py" experiments/sft.py $S --seeds $seeds \
+    --settings ${part%|*} --rates ${part#*|} >> "$work/sft_stdout.txt" 2>&1
+  log "sft rc $? (seeds $seeds, settings ${part%|*}, rates ${part#*|})"
+done
 # shellcheck disable=SC2086
 "$py" experiments/sft.py --preset gpu-small --sft-data none --pretrain-steps 300 \
   --sft-steps 200 --seeds $seeds --out "$work/sft" --analyse-only > /dev/null 2>&1
@@ -82,5 +99,6 @@ A="--preset gpu-small --device cuda --steps 300 --seeds 0 1 2 --eval-every 25 --
 log "grid rc $?"
 # shellcheck disable=SC2086
 "$py" experiments/full_grid.py $A --out "$work/grid" --analyse-only > /dev/null 2>&1
+[[ -d "$work/ttl" ]] && { rm -rf "$work/grid/ttl"; cp -r "$work/ttl" "$work/grid/ttl"; }
 pack grid "$work/grid"
 log "done"

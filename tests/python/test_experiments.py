@@ -212,6 +212,13 @@ def test_full_grid_holds_every_recipe_cell_once_most_important_first():
     # 2 x 2 x 2 minus the lrm topk proportional pair (in the rate sweep) + 2 adaptive
     assert len(cells) == 2 * (6 + 3 + 6 + 2)
     assert names[:2] == ["c0-s0", "c0-s1"] and names[-1] == "lrm-importance-water_level-c0.5-s1"
+    # after the deciding cells (all seeds), every other setting runs at seed 0 first
+    first_s1 = next(i for i, n in enumerate(names) if n.endswith("-s1") and
+                    not n.startswith(("c0-", "c0.3-", "random-topk-c0.3-",
+                                      "lrm-importance-proportional-c0.3-",
+                                      "lrm-importance-proportional-c0.5-")))
+    assert names[first_s1 - 1] == "lrm-importance-water_level-c0.5-s0"
+    assert all(n.endswith("-s1") for n in names[first_s1:])
     assert {c.name for c in rate_sweep.cells(spaces["rate_sweep"])} <= set(names)
     rho = next(c for c in cells if c.name == "lrm-importance-rho0.99-cap0.5-s1")
     assert list(rho.args) == ["-c", "0.5", "--retained-mass-target", "0.99", "--metric",
