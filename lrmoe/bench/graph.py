@@ -175,9 +175,10 @@ def graph_matches_eager(step: GraphedStep, forward: Callable[[Tensor, Tensor], T
 def time_graph(step: GraphedStep, inputs, timer, warmup: int, iters: int
                ) -> Tuple[List[float], List[float]]:
     """Replay ``warmup + iters`` steps over the rotated input sets (copied into the static
-    buffers untimed); returns (fwd ms list, bwd ms list) of the timed replays, as
+    buffers untimed, stream-ordered behind the replay before); returns (fwd ms list, bwd
+    ms list) of the timed replays, the stamps read after the last one, as
     :func:`lrmoe.bench.timing.time_iterations` does for eager steps."""
-    fwd, bwd = [], []
+    stamps = []
     rotate = len(inputs.xs)
     for i in range(warmup + iters):
         j = i % rotate
@@ -188,8 +189,9 @@ def time_graph(step: GraphedStep, inputs, timer, warmup: int, iters: int
         step.bwd_graph.replay()
         t2 = timer.event()
         if i >= warmup:
-            fwd.append(timer.ms(t0, t1)); bwd.append(timer.ms(t1, t2))
-    return fwd, bwd
+            stamps.append((t0, t1, t2))
+    return ([timer.ms(t0, t1) for t0, t1, _ in stamps],
+            [timer.ms(t1, t2) for _, t1, t2 in stamps])
 
 
 def capture_profiled(step: GraphedStep, inputs, device: torch.device):

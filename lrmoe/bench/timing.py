@@ -154,15 +154,22 @@ def kernel_split(prof) -> Dict[str, float]:
 
 
 def time_iterations(method, inputs: Inputs, timer: Timer, warmup: int, iters: int,
-                    before_each: Optional[Callable[[], None]] = None
-                    ) -> Tuple[List[float], List[float]]:
+                    before_each: Optional[Callable[[], None]] = None,
+                    sync_each: bool = False) -> Tuple[List[float], List[float]]:
     """Run ``warmup + iters`` forward + backward steps of a
     :class:`lrmoe.bench.methods.Method` over the rotated input sets.
 
     ``before_each`` runs untimed before every step (EP: a barrier so ranks start
-    together). Returns (fwd ms list, bwd ms list) of the ``iters`` timed steps.
+    together). The stamps are read after the last step, so the host queues each step
+    while the device still runs the one before, as in training, where a layer's forward
+    is queued behind the model's earlier kernels (and as ``triton.testing.do_bench``
+    times). ``sync_each``: wait for every step before queuing the next instead; then
+    each forward starts on an idle device and its host-side launches before the first
+    large kernel count as device time (up to 1 ms of the Qwen3 forward on the H200,
+    docs/performance.md session 6; the committed calibration, ``lrmoe calibrate``, was
+    measured so). Returns (fwd ms list, bwd ms list) of the ``iters`` timed steps.
     """
-    fwd, bwd = [], []
+    stamps = []
     rotate = len(inputs.xs)
     for i in range(warmup + iters):
         j = i % rotate
@@ -176,8 +183,13 @@ def time_iterations(method, inputs: Inputs, timer: Timer, warmup: int, iters: in
         t1 = timer.event()
         out.backward(inputs.gs[j])
         t2 = timer.event()
+        del out
         if i >= warmup:
-            fwd.append(timer.ms(t0, t1)); bwd.append(timer.ms(t1, t2))
+            stamps.append((t0, t1, t2))
+            if sync_each:
+                timer.ms(t1, t2)
+    fwd = [timer.ms(t0, t1) for t0, t1, _ in stamps]
+    bwd = [timer.ms(t1, t2) for _, t1, t2 in stamps]
     return fwd, bwd
 
 
