@@ -109,6 +109,13 @@ def _release(method, device: torch.device) -> None:
     if method.layer is not None:  # its last step's tensors would pin a graph's pool
         st = method.layer.stats
         st.tokens_per_expert_E = st.quota_E = st.retained_mass = st.kept_pair_R = None
+        # the last forward's aux_loss holds its autograd graph, and with it the router
+        # weight's AccumulateGrad node made on the stream of the eager steps; each later
+        # forward reuses that node, so a capture's backward would accumulate on the
+        # default stream from the capture stream, which invalidates the capture
+        # (torch warns "AccumulateGrad node's stream does not match"; the graph rows
+        # failed so on the H200 after the eager rows, docs/performance.md session 6)
+        method.layer.aux_loss = None
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -170,6 +177,7 @@ def graph_record(eager: dict, method, inputs, case: Case, device: torch.device, 
     from lrmoe.bench.graph import (GraphedStep, capture_profiled, check_capturable,
                                    graph_matches_eager, time_graph)
     check_capturable(method.layer.config)
+    _release(method, device)  # no autograd graph of an eager step alive into the capture
     rec = {k: eager[k] for k in ("shape", "tokens", "routing", "load_max_over_mean",
                                  "rate")}
     rec.update(method="lrmoe_graph", label=f"{eager['label']} graph", agreement=None)
