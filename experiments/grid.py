@@ -143,9 +143,11 @@ def run_grid(cells: Sequence[Cell], root: str | os.PathLike, base_args: Sequence
         base_args: ``lrmoe train`` arguments shared by every cell (preset, device, ...).
         steps: optimizer steps of every cell (``--steps``).
         python: the interpreter that runs ``-m lrmoe train``.
-        prune_checkpoints: delete a cell's ``checkpoints/`` once it has finished (its
-            metrics and summary stay; for grids of models too large to keep every
-            checkpoint on disk). A pruned cell can no longer be extended to more steps.
+        prune_checkpoints: keep only a cell's newest checkpoint while it runs
+            (``run.keep_checkpoints=1``) and delete its ``checkpoints/`` once it has
+            finished (its metrics and summary stay; for grids of models too large to keep
+            every checkpoint on disk). A pruned cell can no longer be extended to more
+            steps.
         jobs: cells run at the same time (each its own process on the same device).
             Small models leave a GPU mostly idle between kernel launches, so several cells
             at once finish a grid sooner; their losses are unaffected (each run is
@@ -185,6 +187,11 @@ def run_grid(cells: Sequence[Cell], root: str | os.PathLike, base_args: Sequence
         run_dir = root / cell.name
         cmd = [python, "-m", "lrmoe", "train", *base_args, *cell.args,
                "--steps", str(steps), "--out", str(run_dir)]
+        if prune_checkpoints:
+            # a cell whose checkpoints go when it finishes needs only its newest one to
+            # resume; two per cell (the trainer's default) filled the H200 machine's
+            # 64 GiB at six gpu-small cells (7.5 GB a checkpoint, docs/experiments.md)
+            cmd += ["--set", "run.keep_checkpoints=1"]
         if state == "resume":
             cmd += ["--resume", str(run_dir)]
         elif run_dir.exists():

@@ -28,8 +28,11 @@
 # ttl_report.md, sft_report.md, sft_runs.tar.gz, grid_report.md, grid_runs.tar.gz (the
 # time-to-loss runs join grid_runs.tar.gz under ttl/).
 # Environment: PYTHON (python3), MAX_JOBS (16), BUDGET (540), WORK, CAP_TESTS (40),
-# CAP_BENCH (90), SKIP_CHECKS (1: no tests and bench, e.g. in a continuing call), JOBS (6
-# cells at once: a gpu-small cell peaks near 21 GiB), GRID_FROM (default
+# CAP_BENCH (90), SKIP_CHECKS (1: no tests and bench, e.g. in a continuing call), JOBS (4
+# cells at once: a gpu-small cell peaks near 21 GiB of GPU memory and writes 7.5 GB
+# checkpoints; six cells with two checkpoints each filled the machine's 64 GiB disk in
+# session 6, and one gpu-small run already keeps the H200 busy, so more cells only overlap
+# start-up and evaluation), GRID_FROM (default
 # experiments/results/gpu-small-300-steps.tar.gz).
 set -uo pipefail
 out_arg="${1:?usage: scripts/device_experiments.sh OUTDIR}"
@@ -39,7 +42,8 @@ out_arg="${1:?usage: scripts/device_experiments.sh OUTDIR}"
 source "$(dirname "$0")/device_common.sh"
 device_setup "$out_arg" "${WORK:-/tmp/lrmoe-device}"
 seeds="${SFT_SEEDS:-1 2}"
-jobs="${JOBS:-6}"
+jobs="${JOBS:-4}"
+disk_free() { echo "disk free $(df -h --output=avail "$work" | tail -1 | tr -d ' ')"; }
 left() {  # seconds to the budget, at most $1
   local l=$(( ${BUDGET:-540} - ($(date +%s) - t0) ))
   (( l > ${1:-100000} )) && l=$1
@@ -80,10 +84,11 @@ S="--preset gpu-small --device cuda --pretrain-steps 300 --sft-data $work/wordne
 S="$S --sft-steps 200 --eval-every 20 --prune-checkpoints --jobs $jobs --out $work/sft"
 for part in "lrm:topk lrm:importance|0.2 0.3" "random:topk|0.3" \
             "lrm:topk lrm:importance random:topk|0.2 0.3 0.5"; do
+  (( $(left) > 60 )) || break
   # shellcheck disable=SC2086  # seeds, settings and rates are words
-  (( $(left) > 60 )) && timeout -s INT "$(left)" "$py" experiments/sft.py $S --seeds $seeds \
+  timeout -s INT "$(left)" "$py" experiments/sft.py $S --seeds $seeds \
     --settings ${part%|*} --rates ${part#*|} >> "$work/sft_stdout.txt" 2>&1
-  log "sft rc $? (seeds $seeds, settings ${part%|*}, rates ${part#*|})"
+  log "sft rc $? (seeds $seeds, settings ${part%|*}, rates ${part#*|}; $(disk_free))"
 done
 # shellcheck disable=SC2086
 "$py" experiments/sft.py --preset gpu-small --sft-data none --pretrain-steps 300 \
@@ -96,7 +101,7 @@ A="--preset gpu-small --device cuda --steps 300 --seeds 0 1 2 --eval-every 25 --
 # shellcheck disable=SC2086
 (( $(left) > 60 )) && timeout -s INT "$(left)" "$py" experiments/full_grid.py $A --jobs "$jobs" \
   --out "$work/grid" > "$work/grid_stdout.txt" 2>&1
-log "grid rc $?"
+log "grid rc $? ($(disk_free))"
 # shellcheck disable=SC2086
 "$py" experiments/full_grid.py $A --out "$work/grid" --analyse-only > /dev/null 2>&1
 [[ -d "$work/ttl" ]] && { rm -rf "$work/grid/ttl"; cp -r "$work/ttl" "$work/grid/ttl"; }

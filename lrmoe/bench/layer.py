@@ -109,13 +109,14 @@ def _release(method, device: torch.device) -> None:
     if method.layer is not None:  # its last step's tensors would pin a graph's pool
         st = method.layer.stats
         st.tokens_per_expert_E = st.quota_E = st.retained_mass = st.kept_pair_R = None
-        # the last forward's aux_loss holds its autograd graph, and with it the router
-        # weight's AccumulateGrad node made on the stream of the eager steps; each later
-        # forward reuses that node, so a capture's backward would accumulate on the
-        # default stream from the capture stream, which invalidates the capture
-        # (torch warns "AccumulateGrad node's stream does not match"; the graph rows
-        # failed so on the H200 after the eager rows, docs/performance.md session 6)
-        method.layer.aux_loss = None
+        # the last forward's aux_loss and router_logits hold its autograd graph, and with
+        # it the router weight's AccumulateGrad node made on the stream of the eager
+        # steps; each later forward reuses that node, so a capture's backward would
+        # accumulate on the default stream from the capture stream, which invalidates the
+        # capture (torch warns "AccumulateGrad node's stream does not match"; on the H200
+        # every capture after an eager step failed so, none without one,
+        # docs/performance.md session 6)
+        method.layer.aux_loss = method.layer.router_logits = None
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -101,6 +101,10 @@ def test_grid_runs_skips_resumes_and_records_failures(tmp_path, fake_python, mon
     assert not (root / "d" / "checkpoints").exists()
     assert (root / "d" / "summary.json").is_file() and (root / "d" / "metrics.jsonl").is_file()
     assert grid.cell_state(root / "d", 2) == "done"
+    # ... and while it ran it was told to keep only its newest checkpoint
+    argv = _calls(root)[-1]["argv"]
+    assert argv[argv.index("run.keep_checkpoints=1") - 1] == "--set"
+    assert "run.keep_checkpoints=1" not in _calls(root)[-2]["argv"]  # not without pruning
 
     records = grid.collect(cells, root)
     assert json.loads((root / "results.json").read_text()) == records
