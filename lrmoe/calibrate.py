@@ -18,7 +18,9 @@ date, command), ``bandwidth`` (``copy_GBps``, ``h2d_GBps``, ``gemm_TFLOPs``; Non
 not measurable), and per shape ``shapes[name]``: ``dims``, ``points`` (list of
 ``{experts, rows_per_expert, tokens, pairs, fwd_ms, bwd_ms, phases_ms}``) and
 ``per_row_ms`` (ms per pair of each non-GEMM phase, ``fwd_rest``/``bwd_rest`` per pair:
-time under no ``lrmoe.*`` range, e.g. a shared expert).
+time under no ``lrmoe.*`` range, e.g. a shared expert); with ``--ep`` also ``ep_points``
+and ``per_row_ms`` ``ep_fwd``/``ep_bwd`` (the expert-parallel layer's own work per pair,
+:mod:`lrmoe.calibrate_ep`).
 
 Legend: T tokens, H hidden, I expert intermediate, E_r experts on the rank, K top_k,
 r rows per expert, P = T*K = E_r*r pairs.
@@ -159,7 +161,7 @@ def per_row_costs(points: List[dict]) -> Dict[str, float]:
 
 def calibrate(out: str, device: Optional[str] = None, shapes: Sequence[str] = DEFAULT_SHAPES,
               quick: bool = False, iters: Optional[int] = None, command: str = "",
-              log=print) -> dict:
+              log=print, ep: bool = False) -> dict:
     """Measure the cost model and write it to ``out`` (JSON, see the module docstring).
 
     Args:
@@ -171,6 +173,11 @@ def calibrate(out: str, device: Optional[str] = None, shapes: Sequence[str] = DE
         iters: timed iterations per point (default 10; 2 with ``quick``).
         command: the command line, stored in ``meta``.
         log: progress printer (one line per shape).
+        ep: also time the expert-parallel layer at EP size 1 (:mod:`lrmoe.calibrate_ep`)
+            at the two largest points of the most experts per rank: ``shapes[name]``
+            gets ``ep_points`` and ``per_row_ms`` ``ep_fwd``/``ep_bwd``. Needs one
+            process under torchrun (``torchrun --nproc-per-node 1 -m lrmoe calibrate
+            --ep ...``); joins its group (NCCL on CUDA, gloo on the CPU).
 
     Returns:
         The dict written.
@@ -179,7 +186,8 @@ def calibrate(out: str, device: Optional[str] = None, shapes: Sequence[str] = DE
         ValueError: an unknown shape (naming the choices), a device other than cpu,
             cuda, cuda:N, ``--device cuda`` where no CUDA device exists, ``iters`` < 1,
             or an ``out`` that cannot be written (checked before measuring:
-            :func:`lrmoe.paths.check_output`).
+            :func:`lrmoe.paths.check_output`); with ``ep``: not under torchrun, or
+            more than one process.
     """
     if iters is not None and iters < 1:
         raise ValueError(f"--iters must be >= 1, got {iters}")
@@ -194,6 +202,28 @@ def calibrate(out: str, device: Optional[str] = None, shapes: Sequence[str] = DE
         raise ValueError(f"--device {device}: no CUDA device here; use --device cpu (with "
                          "--quick for a test file)")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    group, created = None, False
+    if ep:
+        import torch.distributed as dist
+
+        from lrmoe.parallel import init_torchrun_group
+        created = not dist.is_initialized()
+        init_torchrun_group(1, dev.type == "cuda", "calibrate --ep")
+        group = dist.group.WORLD
+        if dev.type == "cuda":
+            dev = torch.device("cuda", torch.cuda.current_device())
+    try:
+        return _calibrate(out, dev, shapes, quick, iters, command, log, group)
+    finally:
+        if created:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+
+
+def _calibrate(out, dev, shapes, quick, iters, command, log, group) -> dict:
+    """:func:`calibrate` after its checks; ``group``: the EP-size-1 group or None."""
+    from lrmoe.calibrate_ep import ep_points_of, measure_ep_point, per_row_ep
+
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     iters = iters or (2 if quick else 10)
     warmup = 1 if quick else 3
@@ -220,7 +250,15 @@ def calibrate(out: str, device: Optional[str] = None, shapes: Sequence[str] = DE
             dims={kk: SHAPES[shape][kk] for kk in ("hidden", "inter", "experts", "top_k",
                                                    "shared")},
             points=points, per_row_ms=per_row_costs(points))
-        log(f"calibrate: {shape}: {len(points)} points ({time.time() - t_start:.0f} s)")
+        if group is not None:
+            ep_points = [measure_ep_point(shape, p["experts"], p["rows_per_expert"], dev,
+                                          dtype, iters, warmup, group, p)
+                         for p in ep_points_of(points)]
+            result["shapes"][shape]["ep_points"] = ep_points
+            result["shapes"][shape]["per_row_ms"].update(per_row_ep(ep_points))
+        log(f"calibrate: {shape}: {len(points)} points"
+            + (" + 2 at EP size 1" if group is not None else "")
+            + f" ({time.time() - t_start:.0f} s)")
     result["meta"]["seconds"] = time.time() - t_start
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -265,3 +303,7 @@ def add_calibrate_arguments(p) -> None:
                    help="tiny grid, 2 iterations (tests; seconds on a CPU)")
     p.add_argument("--iters", type=int, default=None,
                    help="timed iterations per grid point (default 10, 2 with --quick)")
+    p.add_argument("--ep", action="store_true",
+                   help="also time the expert-parallel layer at EP size 1 (its counts "
+                        "exchange, re-sorts and gathers: per_row_ms ep_fwd/ep_bwd); run "
+                        "as torchrun --nproc-per-node 1 -m lrmoe calibrate --ep ...")

@@ -184,7 +184,7 @@ def _add_calibrate_parser(sub: Any) -> None:
 
     def _cmd(args: argparse.Namespace) -> int:
         res = calibrate(args.out, args.device, args.shapes, args.quick, args.iters,
-                        command="lrmoe " + " ".join(args.raw_argv))
+                        command="lrmoe " + " ".join(args.raw_argv), ep=args.ep)
         print(f"calibrate: {res['meta']['device']}: wrote {args.out} "
               f"({res['meta']['seconds']:.0f} s)")
         return 0

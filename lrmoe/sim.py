@@ -35,9 +35,11 @@ FIELDS = ("feasible", "binding", "fwd_ms", "bwd_ms", "src_fwd_ms", "dispatch_ms"
 #: the bytes each rank sends into each collective (the EP layer's ``stats.a2a_bytes``)
 SENT_KEYS = ("forward_dispatch", "forward_combine", "backward_grad", "backward_index",
              "backward_dx")
-#: PerRowCosts of csrc/sim/sim.h, in its order (ms per pair; the last two per retained row)
+#: PerRowCosts of csrc/sim/sim.h, in its order (ms per pair; compact and scatter per
+#: retained row; ep_fwd / ep_bwd per forward / retained row of an expert rank, from
+#: ``lrmoe calibrate --ep``, 0 in files without them)
 PER_ROW = ("router", "permute", "combine", "fwd_rest", "router_grad", "score", "select",
-           "bwd_rest", "compact", "scatter")
+           "bwd_rest", "compact", "scatter", "ep_fwd", "ep_bwd")
 DEFAULT_LINKS = Path(__file__).resolve().parent.parent / "configs" / "links" / "default.yaml"
 
 

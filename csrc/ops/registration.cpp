@@ -55,7 +55,7 @@ TORCH_LIBRARY(lrmoe, m) {
   // cluster simulator (csrc/sim), host only: load (S, L, W, E) int -> fields (S*L, 31)
   // float64 (columns: lrmoe/sim.py FIELDS), sent bytes (S*L, 5, W) int64 (empty unless
   // sizes[3]), the first infeasible plan's reason. gemm (G, 4) float64 calibrated points;
-  // per_row 10 ms-per-pair costs; link [gpus_per_node, intra GB/s, intra us, inter GB/s,
+  // per_row 12 ms-per-row costs (lrmoe/sim.py PER_ROW); link [gpus_per_node, intra GB/s, intra us, inter GB/s,
   // inter us, self-copy GB/s]; sizes [hidden, elem_bytes, offload_row_bytes, per_rank_bytes];
   // multiplier > 0: batch pressure (up to max_micro micro-batches per layer).
   m.def("sim(Tensor load, str policy, int[] memory_bytes, bool optimizer_on_device, "

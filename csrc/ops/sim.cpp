@@ -53,7 +53,8 @@ std::tuple<at::Tensor, at::Tensor, std::string> sim_cpu(
   check_dim(gemm, 2, "gemm");
   LRMOE_CHECK(gemm.size(1) == 4 && gemm.size(0) >= 1, "gemm must be (points, 4): experts, rows, "
               "forward ms, backward ms; run `lrmoe calibrate` for a cost file");
-  LRMOE_CHECK(per_row.size() == 10, "per_row must hold 10 costs, got ", per_row.size());
+  LRMOE_CHECK(per_row.size() == 12, "per_row must hold 12 costs (lrmoe/sim.py PER_ROW), got ",
+              per_row.size());
   LRMOE_CHECK(link.size() == 6, "link must hold [gpus_per_node, intra_GBps, intra_latency_us, "
               "inter_GBps, inter_latency_us, self_GBps], got ", link.size(), " values");
   LRMOE_CHECK(sizes.size() == 4, "sizes must hold [hidden, elem_bytes, offload_row_bytes, "
@@ -70,7 +71,8 @@ std::tuple<at::Tensor, at::Tensor, std::string> sim_cpu(
     cfg.cost.gemm.push_back({p[0], p[1], p[2], p[3]});
   }
   cfg.cost.per_row = {per_row[0], per_row[1], per_row[2], per_row[3], per_row[4],
-                      per_row[5], per_row[6], per_row[7], per_row[8], per_row[9]};
+                      per_row[5], per_row[6], per_row[7], per_row[8], per_row[9],
+                      per_row[10], per_row[11]};
   cfg.cost.h2d_GBps = h2d_GBps;
   cfg.link = {static_cast<int32_t>(link[0]), link[1], link[2], link[3], link[4], link[5]};
   cfg.hidden = sizes[0];

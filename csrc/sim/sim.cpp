@@ -274,6 +274,7 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
     return res;
   }
   const PerRowCosts& c = cfg.cost.per_row;
+  const double ep_f = W > 1 ? c.ep_fwd : 0.0, ep_b = W > 1 ? c.ep_bwd : 0.0;
   const GemmTable gemm(cfg.cost.gemm);
   double b1 = 0, b2 = 0, b3 = 0, b4 = 0;
   // combine and dx go back from expert ranks to sources: the transposes
@@ -292,8 +293,8 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
     post_f = std::max(post_f, P * c.combine);
     pre_b = std::max(pre_b, P * (c.router_grad + c.score + c.select + c.bwd_rest));
     post_b = std::max(post_b, R * c.scatter);
-    gf = std::max(gf, gemm.ms_instances(rows_f_W[r], false));
-    gb = std::max(gb, gemm.ms_instances(rows_b_W[r], true) + B * c.compact);
+    gf = std::max(gf, gemm.ms_instances(rows_f_W[r], false) + F * ep_f);
+    gb = std::max(gb, gemm.ms_instances(rows_b_W[r], true) + B * (c.compact + ep_b));
     if (cfg.offload) {
       d2h = std::max(d2h, transfer_ms(F * cfg.offload_row_bytes, cfg.cost.h2d_GBps));
       h2d = std::max(h2d, transfer_ms(B * cfg.offload_row_bytes, cfg.cost.h2d_GBps));

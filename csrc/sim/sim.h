@@ -33,6 +33,11 @@ struct PerRowCosts {
   double router_grad = 0, score = 0, select = 0, bwd_rest = 0; // per source pair, backward
   double compact = 0;   // per retained row on the expert rank
   double scatter = 0;   // per retained row on the source rank
+  // the expert-parallel layer's own work beyond the one-device layer and its
+  // all-to-alls (counts exchange, re-sorts, gathers; lrmoe/calibrate_ep.py), per forward
+  // / retained row on the expert rank; charged only when W > 1 (an EP group of one is
+  // the one-device layer)
+  double ep_fwd = 0, ep_bwd = 0;
 };
 
 struct CostModel {

@@ -102,6 +102,32 @@ TEST(Sim, ToyClusterTimesAndBytesExact) {
   EXPECT_DOUBLE_EQ(r.fwd_imbalance, 1.0);
 }
 
+TEST(Sim, ExpertParallelWorkPerRowOnTheExpertRank) {
+  // the toy cluster with the EP layer's own work: 0.01 ms per forward row and 0.02 per
+  // retained row on the expert rank (50 rows on each): by hand 5 + 50 x 0.01 forward,
+  // 10 + 50 x (0.005 + 0.02) backward; the sources and the all-to-alls unchanged
+  sim::SimConfig cfg = toy_config();
+  cfg.cost.per_row.ep_fwd = 0.01;
+  cfg.cost.per_row.ep_bwd = 0.02;
+  const sim::LayerResult r = sim::simulate_layer("fixed", toy_input(), cfg);
+  ASSERT_TRUE(r.feasible);
+  EXPECT_DOUBLE_EQ(r.expert_fwd_ms, 5.5);
+  EXPECT_DOUBLE_EQ(r.expert_bwd_ms, 11.25);
+  EXPECT_DOUBLE_EQ(r.fwd_ms, 1.8 + 0.03 + 5.5 + 0.03008);
+  EXPECT_DOUBLE_EQ(r.src_bwd_ms, 0.84);
+  // one rank is the one-device layer: no EP work charged (1 expert of 10 rows per 1 ms:
+  // 40 + 60 rows of 2 experts -> the k = 2 curve at 50 rows each, as without the costs)
+  planner::PlanInput one = toy_input();
+  one.num_ranks = 1;
+  one.load_WE = {40, 60};
+  const sim::LayerResult a = sim::simulate_layer("fixed", one, cfg);
+  const sim::LayerResult b = sim::simulate_layer("fixed", one, toy_config());
+  ASSERT_TRUE(a.feasible);
+  EXPECT_DOUBLE_EQ(a.expert_fwd_ms, b.expert_fwd_ms);
+  EXPECT_DOUBLE_EQ(a.expert_bwd_ms, b.expert_bwd_ms);
+  EXPECT_GT(a.expert_fwd_ms, 0.0);
+}
+
 TEST(Sim, SelfRowsAreADeviceCopy) {
   // at 0.5 GB/s of self copy, rank 1's 40 own rows (40000 B) take 0.08 ms, longer than
   // its links (0.03 ms); at EP size 1 the copy is all there is: 100 rows, 0.2 ms

@@ -62,6 +62,50 @@ def test_calibrate_refuses_bad_input(tmp_path, capsys):
         C.calibrate(str(tmp_path / "y.json"), "cpu", ["nope"], quick=True)
 
 
+def test_calibrate_ep_times_the_ep_layer_at_size_one(tmp_path):
+    """``torchrun --nproc-per-node 1 -m lrmoe calibrate --ep --quick`` (gloo): the EP
+    points are the two largest one-device points of the most experts, their extras follow
+    from the file's own medians and all-to-all phases by the documented formula
+    (lrmoe/calibrate_ep.py), and ``ep_fwd``/``ep_bwd`` are the largest point's extras per
+    pair; outside torchrun the flag names torchrun."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_expert_parallel import _torchrun
+    out = tmp_path / "ep.json"
+    r = _torchrun(["--ep", "--quick", "--device", "cpu", "--shapes", "smoke", "--out",
+                   str(out)], tmp_path, nproc=1, timeout=300, subcommand=("calibrate",))
+    assert r.returncode == 0, r.stderr[-3000:]
+    shape = C.load_costs(str(out))["shapes"]["smoke"]
+    local = {(p["experts"], p["rows_per_expert"]): p for p in shape["points"]}
+    eps = shape["ep_points"]
+    assert [(p["experts"], p["rows_per_expert"]) for p in eps] == [
+        (max(C.QUICK_EXPERTS), rows) for rows in sorted(C.QUICK_ROWS)[-2:]]
+    for p in eps:
+        here = local[(p["experts"], p["rows_per_expert"])]
+        assert p["local_fwd_ms"] == here["fwd_ms"] and p["local_bwd_ms"] == here["bwd_ms"]
+        ph = p["phases_ms"]
+        assert all(ph[k] > 0 for k in ("a2a_counts", "a2a_dispatch", "a2a_combine",
+                                        "a2a_grad", "a2a_dx"))
+        a2a_f = ph["a2a_counts"] + ph["a2a_dispatch"] + ph["a2a_combine"]
+        a2a_b = ph["a2a_grad"] + ph["a2a_dx"]
+        assert p["extra_fwd_ms"] == pytest.approx(max(0.0, p["fwd_ms"] - here["fwd_ms"] - a2a_f))
+        assert p["extra_bwd_ms"] == pytest.approx(max(0.0, p["bwd_ms"] - here["bwd_ms"] - a2a_b))
+    big = max(eps, key=lambda p: p["pairs"])
+    assert shape["per_row_ms"]["ep_fwd"] == pytest.approx(big["extra_fwd_ms"] / big["pairs"])
+    assert shape["per_row_ms"]["ep_bwd"] == pytest.approx(big["extra_bwd_ms"] / big["pairs"])
+    from lrmoe import sim as S
+    costs = S.Costs.from_file(str(out), "smoke")
+    assert costs.per_row["ep_fwd"] == shape["per_row_ms"]["ep_fwd"]
+    # a file written without --ep simulates with no EP work (the committed H200 file)
+    old = S.Costs.from_file(str(Path(__file__).resolve().parents[2] / "configs" / "costs"
+                                / "h200.json"), "qwen3-30b-a3b")
+    assert old.per_row["ep_fwd"] == 0.0 and old.per_row["ep_bwd"] == 0.0
+    r = _torchrun(["--ep", "--quick", "--device", "cpu", "--shapes", "smoke", "--out",
+                   str(tmp_path / "no.json")], tmp_path, nproc=0, subcommand=("calibrate",))
+    assert r.returncode != 0 and "calibrate --ep needs 1 processes started by torchrun" in r.stderr
+
+
 # ------------------------------------------------------------------------- lrmoe sim
 def _toy_costs(hidden: int = 768):
     """Costs with hand-set round numbers (not a calibration): 1 ms per 1k rows forward."""
