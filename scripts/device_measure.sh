@@ -4,7 +4,8 @@
 #   1. the CUDA build (setup.py build_ext --inplace, LRMOE_CUDA=1; incremental when warm);
 #   2. the GPU tests of the offload, the replicas (host syncs over NCCL at W = 1), the
 #      CUDA-graph replay and the changed kernels;
-#   3. `lrmoe calibrate` -> OUTDIR/costs.json (the simulator's cost file);
+#   3. `lrmoe calibrate --ep` (one torchrun process: the EP layer's own work too) ->
+#      OUTDIR/costs.json (the simulator's cost file);
 #   5. `lrmoe bench layer` at the Qwen3-30B-A3B and GLM-4.5-Air shapes, 32k tokens, skewed
 #      routing, c in {0, 0.2, 0.3}: LRMoE eager and CUDA-graph rows, dropless, torchtitan
 #      (where importable), with the per-method traces and where_time_goes;
@@ -39,8 +40,8 @@ timeout "${CAP_TESTS:-120}" "$py" -m pytest -q -ra -p no:cacheprovider -m gpu \
   tests/python/test_cuda_ops_movement.py} > "$out/gpu_tests.txt" 2>&1
 log "gpu tests rc $? ($(grep -E 'passed|failed' "$out/gpu_tests.txt" | tail -1))"
 
-timeout "${CAP_CALIBRATE:-150}" "$py" -m lrmoe calibrate --device cuda --iters "${CAL_ITERS:-10}" \
-  --out "$out/costs.json" \
+timeout "${CAP_CALIBRATE:-150}" "$py" -m torch.distributed.run --nproc-per-node 1 \
+  -m lrmoe calibrate --ep --device cuda --iters "${CAL_ITERS:-10}" --out "$out/costs.json" \
   > "$work/calibrate.txt" 2>&1
 log "calibrate rc $?"
 pack
