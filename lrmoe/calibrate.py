@@ -204,9 +204,19 @@ def calibrate(out: str, device: Optional[str] = None, shapes: Sequence[str] = DE
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     group, created = None, False
     if ep:
+        import os
+
         import torch.distributed as dist
 
         from lrmoe.parallel import init_torchrun_group
+        from lrmoe.training.distributed import under_torchrun
+        run = "torchrun --nproc-per-node 1 -m lrmoe calibrate --ep ..."
+        if not dist.is_initialized() and not under_torchrun():
+            raise ValueError("--ep times the expert-parallel layer at EP size 1 in one "
+                             f"process started by torchrun (its group); run `{run}`")
+        if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+            raise ValueError(f"--ep calibrates at EP size 1, but torchrun started "
+                             f"{os.environ['WORLD_SIZE']} processes; run `{run}`")
         created = not dist.is_initialized()
         init_torchrun_group(1, dev.type == "cuda", "calibrate --ep")
         group = dist.group.WORLD

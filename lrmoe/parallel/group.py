@@ -63,7 +63,8 @@ def init_torchrun_group(ep_size: int, use_cuda: bool, setting: str, dp_size: int
     launch = f"launch with torchrun --nproc-per-node {need} ... {flags}"
     missing = [v for v in _TORCHRUN_ENV if v not in os.environ]
     if missing and not dist.is_initialized():
-        raise ValueError(f"{setting} needs {need} processes started by torchrun, but "
+        raise ValueError(f"{setting} needs {need} process{'es' if need != 1 else ''} "
+                         "started by torchrun, but "
                          f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
                          f"set (this process was not started by torchrun); {launch}")
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -103,7 +103,10 @@ def test_calibrate_ep_times_the_ep_layer_at_size_one(tmp_path):
     assert old.per_row["ep_fwd"] == 0.0 and old.per_row["ep_bwd"] == 0.0
     r = _torchrun(["--ep", "--quick", "--device", "cpu", "--shapes", "smoke", "--out",
                    str(tmp_path / "no.json")], tmp_path, nproc=0, subcommand=("calibrate",))
-    assert r.returncode != 0 and "calibrate --ep needs 1 processes started by torchrun" in r.stderr
+    assert r.returncode != 0 and "torchrun --nproc-per-node 1 -m lrmoe calibrate --ep" in r.stderr
+    r = _torchrun(["--ep", "--quick", "--device", "cpu", "--shapes", "smoke", "--out",
+                   str(tmp_path / "two.json")], tmp_path, nproc=2, subcommand=("calibrate",))
+    assert r.returncode != 0 and "torchrun started 2 processes" in r.stderr
 
 
 # ------------------------------------------------------------------------- lrmoe sim
