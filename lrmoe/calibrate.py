@@ -180,7 +180,8 @@ def calibrate(out: str, device: Optional[str] = None, shapes: Sequence[str] = DE
             --ep ...``); joins its group (NCCL on CUDA, gloo on the CPU).
 
     Returns:
-        The dict written.
+        The dict written (``out`` is rewritten whole after every shape, so a run cut
+        short keeps the shapes it finished).
 
     Raises:
         ValueError: an unknown shape (naming the choices), a device other than cpu,
@@ -220,8 +221,16 @@ def calibrate(out: str, device: Optional[str] = None, shapes: Sequence[str] = DE
         created = not dist.is_initialized()
         init_torchrun_group(1, dev.type == "cuda", "calibrate --ep")
         group = dist.group.WORLD
+        if dist.get_world_size() != 1:  # a group the caller made before
+            raise ValueError(f"--ep calibrates at EP size 1, but the process group has "
+                             f"{dist.get_world_size()} ranks; run `{run}`")
         if dev.type == "cuda":
-            dev = torch.device("cuda", torch.cuda.current_device())
+            bound = torch.cuda.current_device()  # cuda:LOCAL_RANK, which NCCL uses
+            if dev.index is not None and dev.index != bound:
+                raise ValueError(f"--device {device}: under torchrun the process uses "
+                                 f"cuda:{bound} (LOCAL_RANK); pass --device cuda, or set "
+                                 f"CUDA_VISIBLE_DEVICES={dev.index}")
+            dev = torch.device("cuda", bound)
     try:
         return _calibrate(out, dev, shapes, quick, iters, command, log, group)
     finally:
@@ -266,14 +275,23 @@ def _calibrate(out, dev, shapes, quick, iters, command, log, group) -> dict:
                          for p in ep_points_of(points)]
             result["shapes"][shape]["ep_points"] = ep_points
             result["shapes"][shape]["per_row_ms"].update(per_row_ep(ep_points))
+        n_ep = len(result["shapes"][shape].get("ep_points", []))
         log(f"calibrate: {shape}: {len(points)} points"
-            + (" + 2 at EP size 1" if group is not None else "")
+            + (f" + {n_ep} at EP size 1" if group is not None else "")
             + f" ({time.time() - t_start:.0f} s)")
-    result["meta"]["seconds"] = time.time() - t_start
+        # after every shape: a run cut short (a time limit) keeps the shapes it finished
+        _write(out, result, time.time() - t_start)
+    _write(out, result, time.time() - t_start)
+    return result
+
+
+def _write(out: str, result: dict, seconds: float) -> None:
+    result["meta"]["seconds"] = seconds
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    return result
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(path)  # whole files only: a reader never sees half a shape
 
 
 def load_costs(path: str) -> dict:

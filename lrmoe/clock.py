@@ -29,6 +29,11 @@ class DeviceClock:
             return e
         return time.perf_counter()
 
+    def wait(self, a) -> None:
+        """Block the host until stamp ``a`` has happened (nothing to wait for off CUDA)."""
+        if self.cuda:
+            a.synchronize()
+
     def ms(self, a, b) -> float:
         """Milliseconds from stamp ``a`` to stamp ``b`` (on CUDA waits for ``b``)."""
         if self.cuda:

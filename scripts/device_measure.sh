@@ -40,8 +40,8 @@ timeout "${CAP_TESTS:-120}" "$py" -m pytest -q -ra -p no:cacheprovider -m gpu \
   tests/python/test_cuda_ops_movement.py} > "$out/gpu_tests.txt" 2>&1
 log "gpu tests rc $? ($(grep -E 'passed|failed' "$out/gpu_tests.txt" | tail -1))"
 
-timeout "${CAP_CALIBRATE:-150}" "$py" -m torch.distributed.run --nproc-per-node 1 \
-  -m lrmoe calibrate --ep --device cuda --iters "${CAL_ITERS:-10}" --out "$out/costs.json" \
+timeout "${CAP_CALIBRATE:-240}" "$py" -m torch.distributed.run --nproc-per-node 1 \
+  -m lrmoe calibrate --ep --device cuda --iters "${CAL_ITERS:-5}" --out "$out/costs.json" \
   > "$work/calibrate.txt" 2>&1
 log "calibrate rc $?"
 pack

@@ -36,7 +36,8 @@ struct PerRowCosts {
   // the expert-parallel layer's own work beyond the one-device layer and its
   // all-to-alls (counts exchange, re-sorts, gathers; lrmoe/calibrate_ep.py), per forward
   // / retained row on the expert rank; charged only when W > 1 (an EP group of one is
-  // the one-device layer)
+  // the one-device layer). Measured at c = 0, where every row is retained: that the
+  // backward part scales with retained rather than forward rows is an assumption
   double ep_fwd = 0, ep_bwd = 0;
 };
 

@@ -176,8 +176,11 @@ def time_graph(step: GraphedStep, inputs, timer, warmup: int, iters: int
                ) -> Tuple[List[float], List[float]]:
     """Replay ``warmup + iters`` steps over the rotated input sets (copied into the static
     buffers untimed, stream-ordered behind the replay before); returns (fwd ms list, bwd
-    ms list) of the timed replays, the stamps read after the last one, as
+    ms list) of the timed replays, the stamps read after the last one and the host at most
+    ``QUEUE_AHEAD`` replays ahead, as
     :func:`lrmoe.bench.timing.time_iterations` does for eager steps."""
+    from lrmoe.bench.timing import QUEUE_AHEAD
+
     stamps = []
     rotate = len(inputs.xs)
     for i in range(warmup + iters):
@@ -188,10 +191,12 @@ def time_graph(step: GraphedStep, inputs, timer, warmup: int, iters: int
         t1 = timer.event()
         step.bwd_graph.replay()
         t2 = timer.event()
-        if i >= warmup:
-            stamps.append((t0, t1, t2))
-    return ([timer.ms(t0, t1) for t0, t1, _ in stamps],
-            [timer.ms(t1, t2) for _, t1, t2 in stamps])
+        stamps.append((t0, t1, t2))
+        if i >= QUEUE_AHEAD:
+            timer.wait(stamps[i - QUEUE_AHEAD][2])
+    timed = stamps[warmup:]
+    return ([timer.ms(t0, t1) for t0, t1, _ in timed],
+            [timer.ms(t1, t2) for _, t1, t2 in timed])
 
 
 def capture_profiled(step: GraphedStep, inputs, device: torch.device):

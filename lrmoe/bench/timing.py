@@ -153,6 +153,12 @@ def kernel_split(prof) -> Dict[str, float]:
     return {"gemm_kernels": gemm, "other_kernels": other}
 
 
+#: steps the host may queue ahead of the device in :func:`time_iterations`: enough to
+#: hide its launches behind the step before, few enough that buffers allocated per step
+#: (offload's pinned host rows) do not pile up
+QUEUE_AHEAD = 2
+
+
 def time_iterations(method, inputs: Inputs, timer: Timer, warmup: int, iters: int,
                     before_each: Optional[Callable[[], None]] = None,
                     sync_each: bool = False) -> Tuple[List[float], List[float]]:
@@ -160,14 +166,16 @@ def time_iterations(method, inputs: Inputs, timer: Timer, warmup: int, iters: in
     :class:`lrmoe.bench.methods.Method` over the rotated input sets.
 
     ``before_each`` runs untimed before every step (EP: a barrier so ranks start
-    together). The stamps are read after the last step, so the host queues each step
-    while the device still runs the one before, as in training, where a layer's forward
-    is queued behind the model's earlier kernels (and as ``triton.testing.do_bench``
-    times). ``sync_each``: wait for every step before queuing the next instead; then
-    each forward starts on an idle device and its host-side launches before the first
-    large kernel count as device time (up to 1 ms of the Qwen3 forward on the H200,
-    docs/performance.md session 6; the committed calibration, ``lrmoe calibrate``, was
-    measured so). Returns (fwd ms list, bwd ms list) of the ``iters`` timed steps.
+    together; ``lrmoe.bench.layer_ep``'s also waits for the device, so EP steps always
+    start on an idle device). The stamps are read after the last step and the host
+    queues up to :data:`QUEUE_AHEAD` steps behind the one the device runs, as in
+    training, where a layer's forward is queued behind the model's earlier kernels (and
+    as ``triton.testing.do_bench`` times). ``sync_each``: wait for every step, warm-up
+    included, before queuing the next instead; then each forward starts on an idle
+    device and its host-side launches before the first large kernel count as device time
+    (up to 1 ms of the Qwen3 forward on the H200, docs/performance.md session 6; the
+    committed calibration, ``lrmoe calibrate``, was measured so). Returns (fwd ms list,
+    bwd ms list) of the ``iters`` timed steps.
     """
     stamps = []
     rotate = len(inputs.xs)
@@ -184,13 +192,14 @@ def time_iterations(method, inputs: Inputs, timer: Timer, warmup: int, iters: in
         out.backward(inputs.gs[j])
         t2 = timer.event()
         del out
-        if i >= warmup:
-            stamps.append((t0, t1, t2))
-            if sync_each:
-                timer.ms(t1, t2)
-    fwd = [timer.ms(t0, t1) for t0, t1, _ in stamps]
-    bwd = [timer.ms(t1, t2) for _, t1, t2 in stamps]
-    return fwd, bwd
+        stamps.append((t0, t1, t2))
+        if sync_each:
+            timer.wait(t2)
+        elif i >= QUEUE_AHEAD:
+            timer.wait(stamps[i - QUEUE_AHEAD][2])
+    timed = stamps[warmup:]
+    return ([timer.ms(t0, t1) for t0, t1, _ in timed],
+            [timer.ms(t1, t2) for _, t1, t2 in timed])
 
 
 def profile_step(method, inputs: Inputs, device: torch.device, split: bool = False,

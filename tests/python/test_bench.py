@@ -463,3 +463,42 @@ def test_profiled_step_starts_from_cleared_gradients():
     m.forward(inputs.xs[0].detach().requires_grad_(), inputs.ids[0]).backward(inputs.gs[0])
     for a, p in zip(got, m.params):
         assert torch.equal(a, p.grad)
+
+
+def test_time_iterations_waits_as_documented():
+    """The timed loop with a recording clock: pipelined, the host waits for step i - 2
+    before queuing past step i (QUEUE_AHEAD); sync_each, for every step, warm-up
+    included; both return the timed steps' spans only (hand-made stamps)."""
+    from lrmoe.bench.routing import Inputs
+    from lrmoe.bench.timing import QUEUE_AHEAD, time_iterations
+
+    class Clock:
+        def __init__(self):
+            self.n, self.log = 0, []
+
+        def event(self):
+            self.n += 1
+            return self.n  # stamp k of step s is 3 s + k (k = 1, 2, 3)
+
+        def wait(self, a):
+            self.log.append(("wait", a))
+
+        def ms(self, a, b):
+            return float(b - a) * (10.0 if a % 3 == 2 else 1.0)  # bwd spans x 10
+
+    w = torch.ones(3, requires_grad=True)
+
+    class M:
+        params = [w]
+
+        @staticmethod
+        def forward(x, ids):
+            return x * w
+    ins = Inputs([None, None], [torch.ones(3), torch.ones(3)], [torch.ones(3)] * 2, [0, 0])
+    for sync_each in (False, True):
+        clock = Clock()
+        fwd, bwd = time_iterations(M, ins, clock, warmup=2, iters=3, sync_each=sync_each)
+        assert fwd == [1.0] * 3 and bwd == [10.0] * 3
+        t2 = [3 * s + 3 for s in range(5)]
+        want = t2 if sync_each else [t2[i - QUEUE_AHEAD] for i in range(QUEUE_AHEAD, 5)]
+        assert [a for _, a in clock.log] == want

@@ -109,6 +109,33 @@ def test_calibrate_ep_times_the_ep_layer_at_size_one(tmp_path):
     assert r.returncode != 0 and "torchrun started 2 processes" in r.stderr
 
 
+def test_sim_charges_ep_costs_per_received_row_from_two_ranks():
+    """ep_fwd / ep_bwd reach the simulator in their places (PER_ROW order through the op):
+    fixed ownership of 8 experts over W = 2, 100 pairs per (source, expert), so each
+    rank receives 2 x 4 x 100 = 800 rows: by hand +0.8 ms at 1e-3 ms per row, forward
+    only for ep_fwd, backward only for ep_bwd; nothing at W = 1."""
+    from lrmoe import sim as S
+    from lrmoe.planner import MemoryModel
+    g = np.array([[1, 1024, 1.0, 2.0], [16, 1024, 16.0, 32.0]], dtype=np.float64)
+
+    def costs(**kw):
+        per_row = {k: 0.0 for k in S.PER_ROW}
+        per_row.update(kw)
+        return S.Costs("toy", {}, g, per_row, 10.0, {"device": "toy"})
+    mem = MemoryModel(1, 1, 1, 1, 1, 1 << 40, 0, optimizer_on_device=False)
+    links = S.Links.from_file()
+    for W, want in ((2, 0.8), (1, 0.0)):
+        load = np.full((1, 1, W, 8), 100, dtype=np.int64)
+        run = lambda c: S.simulate(load, "fixed", mem, c, links, 64, 0.0, replica_slots=0,
+                                   threads=1)
+        base = run(costs())
+        f, b = run(costs(ep_fwd=1e-3)), run(costs(ep_bwd=1e-3))
+        assert f["expert_fwd_ms"][0] - base["expert_fwd_ms"][0] == pytest.approx(want)
+        assert f["expert_bwd_ms"][0] == pytest.approx(base["expert_bwd_ms"][0])
+        assert b["expert_bwd_ms"][0] - base["expert_bwd_ms"][0] == pytest.approx(want)
+        assert b["expert_fwd_ms"][0] == pytest.approx(base["expert_fwd_ms"][0])
+
+
 # ------------------------------------------------------------------------- lrmoe sim
 def _toy_costs(hidden: int = 768):
     """Costs with hand-set round numbers (not a calibration): 1 ms per 1k rows forward."""
