@@ -28,6 +28,7 @@ r rows per expert, P = T*K = E_r*r pairs.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from lrmoe.bench.methods import Method, layer_config
 from lrmoe.bench.routing import SHAPES as BENCH_SHAPES
@@ -92,16 +94,26 @@ def measure_h2d(device: torch.device, nbytes: int = 1 << 30) -> Optional[float]:
     return nbytes / statistics.median(ms) / 1e6
 
 
-def measure_point(shape: str, experts: int, rows: int, device: torch.device,
-                  dtype: torch.dtype, iters: int, warmup: int) -> dict:
-    """Time one LRMoE layer (c = 0) of ``experts`` experts of ``shape`` with ``rows``
-    rows per expert; returns the point record (see the module docstring)."""
+def point_layer(shape: str, experts: int, rows: int, device: torch.device,
+                dtype: torch.dtype, ep_group=None):
+    """The layer and inputs of one calibration point: an LRMoE layer (c = 0; under
+    ``ep_group`` the expert-parallel one) of ``experts`` experts of ``shape``, seeded,
+    built on ``device`` in ``dtype``, and two input sets (x, g: (T, H) of ``dtype``) over
+    :func:`balanced_ids` (T, K) routing with ``rows`` rows per expert.
+
+    Returns:
+        (:class:`lrmoe.bench.routing.Case`, :class:`lrmoe.bench.methods.Method`,
+        :class:`lrmoe.bench.routing.Inputs`).
+
+    Raises:
+        ValueError: as :func:`balanced_ids`.
+    """
     dims = dict(SHAPES[shape], experts=experts, top_k=min(SHAPES[shape]["top_k"], experts))
     case = _Case(shape, experts * rows // dims["top_k"], "uniform", dtype, dims)
     torch.manual_seed(0)
     # built on the device: a CPU initialisation of 128 GLM experts takes seconds per point
     with torch.device(device):
-        layer = LRMoELayer(layer_config(case)).to(dtype=dtype)
+        layer = LRMoELayer(layer_config(case), ep_group=ep_group).to(dtype=dtype)
     layer.set_recalibration(recalibration_rate=0.0)
     method = Method("lrmoe", 0.0, lambda x, ids: layer(x, ids), list(layer.parameters()),
                     layer)
@@ -111,7 +123,14 @@ def measure_point(shape: str, experts: int, rows: int, device: torch.device,
           for _ in range(2)]
     gs = [torch.randn(case.tokens, dims["hidden"], generator=gen).to(device, dtype)
           for _ in range(2)]
-    inputs = Inputs([ids, ids], xs, gs, [0, 0])
+    return case, method, Inputs([ids, ids], xs, gs, [0, 0])
+
+
+def measure_point(shape: str, experts: int, rows: int, device: torch.device,
+                  dtype: torch.dtype, iters: int, warmup: int) -> dict:
+    """Time one LRMoE layer (c = 0) of ``experts`` experts of ``shape`` with ``rows``
+    rows per expert; returns the point record (see the module docstring)."""
+    case, method, inputs = point_layer(shape, experts, rows, device, dtype)
     # each step from an idle device, as configs/costs/h200.json was measured: its
     # launch-bound rest (point_rest) is part of what the simulator charges
     fwd, bwd = time_iterations(method, inputs, Timer(device), warmup, iters, sync_each=True)
@@ -120,7 +139,7 @@ def measure_point(shape: str, experts: int, rows: int, device: torch.device,
                pairs=experts * rows, fwd_ms=statistics.median(fwd),
                bwd_ms=statistics.median(bwd),
                phases_ms=phase_times(prof, device.type == "cuda"))
-    del layer, method, inputs
+    del method, inputs
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rec
@@ -205,38 +224,49 @@ def calibrate(out: str, device: Optional[str] = None, shapes: Sequence[str] = DE
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     group, created = None, False
     if ep:
-        import os
-
-        import torch.distributed as dist
-
-        from lrmoe.parallel import init_torchrun_group
-        from lrmoe.training.distributed import under_torchrun
-        run = "torchrun --nproc-per-node 1 -m lrmoe calibrate --ep ..."
-        if not dist.is_initialized() and not under_torchrun():
-            raise ValueError("--ep times the expert-parallel layer at EP size 1 in one "
-                             f"process started by torchrun (its group); run `{run}`")
-        if int(os.environ.get("WORLD_SIZE", "1")) != 1:
-            raise ValueError(f"--ep calibrates at EP size 1, but torchrun started "
-                             f"{os.environ['WORLD_SIZE']} processes; run `{run}`")
         created = not dist.is_initialized()
-        init_torchrun_group(1, dev.type == "cuda", "calibrate --ep")
-        group = dist.group.WORLD
-        if dist.get_world_size() != 1:  # a group the caller made before
-            raise ValueError(f"--ep calibrates at EP size 1, but the process group has "
-                             f"{dist.get_world_size()} ranks; run `{run}`")
-        if dev.type == "cuda":
-            bound = torch.cuda.current_device()  # cuda:LOCAL_RANK, which NCCL uses
-            if dev.index is not None and dev.index != bound:
-                raise ValueError(f"--device {device}: under torchrun the process uses "
-                                 f"cuda:{bound} (LOCAL_RANK); pass --device cuda, or set "
-                                 f"CUDA_VISIBLE_DEVICES={dev.index}")
-            dev = torch.device("cuda", bound)
+        group, dev = _join_ep_group(dev, device)
     try:
         return _calibrate(out, dev, shapes, quick, iters, command, log, group)
     finally:
-        if created:
-            import torch.distributed as dist
+        if created and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _join_ep_group(dev: torch.device, device: Optional[str]):
+    """(the EP-size-1 group, the device its rank uses) for ``calibrate --ep``: joins the
+    group torchrun prepared (:func:`lrmoe.parallel.init_torchrun_group`) unless one
+    exists; a group this call made is destroyed again when a check fails.
+
+    Raises:
+        ValueError: no group and not under torchrun, a world of more than one rank, or
+            ``--device cuda:N`` other than the rank's bound ``cuda:LOCAL_RANK``.
+    """
+    from lrmoe.parallel import init_torchrun_group
+    from lrmoe.training.distributed import under_torchrun
+    run = "torchrun --nproc-per-node 1 -m lrmoe calibrate --ep ..."
+    if dist.is_initialized():
+        world, where = dist.get_world_size(), "the process group has"
+    elif under_torchrun():
+        world, where = int(os.environ["WORLD_SIZE"]), "torchrun started"
+    else:
+        raise ValueError("--ep times the expert-parallel layer at EP size 1 in one "
+                         f"process started by torchrun (its group); run `{run}`")
+    if world != 1:
+        raise ValueError(f"--ep calibrates at EP size 1, but {where} {world} processes; "
+                         f"run `{run}`")
+    created = not dist.is_initialized()
+    init_torchrun_group(1, dev.type == "cuda", "calibrate --ep")
+    if dev.type == "cuda":
+        bound = torch.cuda.current_device()  # cuda:LOCAL_RANK, which NCCL uses
+        if dev.index is not None and dev.index != bound:
+            if created:
+                dist.destroy_process_group()
+            raise ValueError(f"--device {device}: under torchrun the process uses "
+                             f"cuda:{bound} (LOCAL_RANK); pass --device cuda, or set "
+                             f"CUDA_VISIBLE_DEVICES={dev.index}")
+        dev = torch.device("cuda", bound)
+    return dist.group.WORLD, dev
 
 
 def _calibrate(out, dev, shapes, quick, iters, command, log, group) -> dict:

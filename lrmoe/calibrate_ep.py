@@ -29,10 +29,9 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from lrmoe.bench.methods import Method, layer_config
-from lrmoe.bench.routing import Inputs
+from lrmoe.bench.layer_ep import ep_phase_times
 from lrmoe.bench.timing import Timer, profile_step, time_iterations
-from lrmoe.layer import LRMoELayer
+from lrmoe.calibrate import point_layer
 
 #: the all-to-all ranges of the EP layer's forward and backward (lrmoe/parallel)
 A2A_FWD = ("a2a_counts", "a2a_dispatch", "a2a_combine")
@@ -48,23 +47,7 @@ def measure_ep_point(shape: str, experts: int, rows: int, device: torch.device,
     ``phases_ms`` (one profiled step, forward and backward profiled apart), ``a2a_fwd_ms``
     / ``a2a_bwd_ms`` and ``extra_fwd_ms`` / ``extra_bwd_ms`` (module docstring) against
     ``local``, the one-device point record of the same (experts, rows)."""
-    from lrmoe.bench.layer_ep import ep_phase_times
-    from lrmoe.calibrate import SHAPES, _Case, balanced_ids
-
-    dims = dict(SHAPES[shape], experts=experts, top_k=min(SHAPES[shape]["top_k"], experts))
-    case = _Case(shape, experts * rows // dims["top_k"], "uniform", dtype, dims)
-    torch.manual_seed(0)
-    with torch.device(device):
-        layer = LRMoELayer(layer_config(case), ep_group=group).to(dtype=dtype)
-    method = Method("lrmoe", 0.0, lambda x, ids: layer(x, ids), list(layer.parameters()),
-                    layer)
-    gen = torch.Generator().manual_seed(1)
-    ids = balanced_ids(experts, rows, dims["top_k"], device)
-    xs = [torch.randn(case.tokens, dims["hidden"], generator=gen).to(device, dtype)
-          for _ in range(2)]
-    gs = [torch.randn(case.tokens, dims["hidden"], generator=gen).to(device, dtype)
-          for _ in range(2)]
-    inputs = Inputs([ids, ids], xs, gs, [0, 0])
+    case, method, inputs = point_layer(shape, experts, rows, device, dtype, group)
     fwd, bwd = time_iterations(method, inputs, Timer(device), warmup, iters, sync_each=True)
     prof_fwd, prof_bwd = profile_step(method, inputs, device, split=True)
     phases = ep_phase_times(prof_fwd, prof_bwd, device.type == "cuda")
@@ -73,7 +56,7 @@ def measure_ep_point(shape: str, experts: int, rows: int, device: torch.device,
                bwd_ms=statistics.median(bwd), phases_ms=phases,
                local_fwd_ms=local["fwd_ms"], local_bwd_ms=local["bwd_ms"])
     rec.update(ep_extra(rec))
-    del layer, method, inputs
+    del method, inputs
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rec
