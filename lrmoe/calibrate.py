@@ -43,6 +43,7 @@ from lrmoe.bench.routing import SHAPES as BENCH_SHAPES
 from lrmoe.bench.routing import Case, Inputs
 from lrmoe.bench.timing import (PHASES_BWD, PHASES_FWD, Timer, measure_ceilings,
                                 phase_times, profile_step, time_iterations)
+from lrmoe.calibrate_ep import ep_points_of, measure_ep_point, per_row_ep
 from lrmoe.layer import LRMoELayer
 from lrmoe.paths import check_output
 
@@ -271,8 +272,6 @@ def _join_ep_group(dev: torch.device, device: Optional[str]):
 
 def _calibrate(out, dev, shapes, quick, iters, command, log, group) -> dict:
     """:func:`calibrate` after its checks; ``group``: the EP-size-1 group or None."""
-    from lrmoe.calibrate_ep import ep_points_of, measure_ep_point, per_row_ep
-
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     iters = iters or (2 if quick else 10)
     warmup = 1 if quick else 3
@@ -300,8 +299,9 @@ def _calibrate(out, dev, shapes, quick, iters, command, log, group) -> dict:
                                                    "shared")},
             points=points, per_row_ms=per_row_costs(points))
         if group is not None:
-            ep_points = [measure_ep_point(shape, p["experts"], p["rows_per_expert"], dev,
-                                          dtype, iters, warmup, group, p)
+            ep_points = [measure_ep_point(*point_layer(shape, p["experts"],
+                                                       p["rows_per_expert"], dev, dtype,
+                                                       group), dev, iters, warmup, p)
                          for p in ep_points_of(points)]
             result["shapes"][shape]["ep_points"] = ep_points
             result["shapes"][shape]["per_row_ms"].update(per_row_ep(ep_points))

@@ -31,26 +31,32 @@ import torch
 
 from lrmoe.bench.layer_ep import ep_phase_times
 from lrmoe.bench.timing import Timer, profile_step, time_iterations
-from lrmoe.calibrate import point_layer
 
 #: the all-to-all ranges of the EP layer's forward and backward (lrmoe/parallel)
 A2A_FWD = ("a2a_counts", "a2a_dispatch", "a2a_combine")
 A2A_BWD = ("a2a_grad", "a2a_dx")
 
 
-def measure_ep_point(shape: str, experts: int, rows: int, device: torch.device,
-                     dtype: torch.dtype, iters: int, warmup: int, group,
+def measure_ep_point(case, method, inputs, device: torch.device, iters: int, warmup: int,
                      local: dict) -> dict:
-    """Time the EP layer (EP size 1, ``group``) at one calibration point and return its
-    record: ``experts``, ``rows_per_expert``, ``pairs``, ``fwd_ms``/``bwd_ms`` (medians,
-    each step from an idle device as :func:`lrmoe.calibrate.measure_point` times),
-    ``phases_ms`` (one profiled step, forward and backward profiled apart), ``a2a_fwd_ms``
-    / ``a2a_bwd_ms`` and ``extra_fwd_ms`` / ``extra_bwd_ms`` (module docstring) against
-    ``local``, the one-device point record of the same (experts, rows)."""
-    case, method, inputs = point_layer(shape, experts, rows, device, dtype, group)
+    """Time the EP layer (EP size 1) at one calibration point and return its record:
+    ``experts``, ``rows_per_expert``, ``pairs``, ``fwd_ms``/``bwd_ms`` (medians, each step
+    from an idle device as :func:`lrmoe.calibrate.measure_point` times), ``phases_ms``
+    (one profiled step, forward and backward profiled apart), ``a2a_fwd_ms`` /
+    ``a2a_bwd_ms`` and ``extra_fwd_ms`` / ``extra_bwd_ms`` (module docstring) against
+    ``local``, the one-device point record of the same (experts, rows).
+
+    Args:
+        case, method, inputs: the point's layer under the EP group and its inputs
+            (:func:`lrmoe.calibrate.point_layer` with ``ep_group``).
+        device: where they live. iters, warmup: timed and untimed steps.
+        local: the one-device record (``fwd_ms``, ``bwd_ms``, ``experts``,
+            ``rows_per_expert``).
+    """
     fwd, bwd = time_iterations(method, inputs, Timer(device), warmup, iters, sync_each=True)
     prof_fwd, prof_bwd = profile_step(method, inputs, device, split=True)
     phases = ep_phase_times(prof_fwd, prof_bwd, device.type == "cuda")
+    experts, rows = local["experts"], local["rows_per_expert"]
     rec = dict(experts=experts, rows_per_expert=rows, tokens=case.tokens,
                pairs=experts * rows, fwd_ms=statistics.median(fwd),
                bwd_ms=statistics.median(bwd), phases_ms=phases,
