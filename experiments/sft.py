@@ -15,13 +15,17 @@ Stage 2, the fine-tunes: ``--init-from`` the base's last checkpoint (its weights
 ``tokenizer.json``, so the token ids are the ones the embeddings were trained on) on
 ``alpaca:--sft-data`` for ``--sft-steps`` at ``--sft-lr`` (warm-up ``--sft-warmup``, cosine
 to ``--sft-min-lr``); c = 0 per seed, and (setting, c) for setting in ``--settings``
-(``METRIC:SELECTION``, default ``lrm:topk lrm:importance random:topk``) and c in
-``--rates`` (default 0.2 0.3 0.5), per seed. Seeds vary the fine-tune (batch order, the
-random selection, the hash split of the fine-tuning data), never the base. Validation is
-on the held-out instruction records of the fine-tuning data.
+(``METRIC:SELECTION[:QUOTA_RULE]``, default ``lrm:topk lrm:importance random:topk``, quota
+rule ``proportional`` unless named) and c in ``--rates`` (default 0.2 0.3 0.5), per seed;
+with ``--targets``, also the adaptive rate (``-c --cap --retained-mass-target RHO``) for
+each setting in ``--adaptive-settings`` and RHO in ``--targets``. Seeds vary the
+fine-tune (batch order, the random selection, the hash split of the fine-tuning data),
+never the base. Validation is on the held-out instruction records of the fine-tuning data.
 
 Report (``report.md`` in ``--out``): dPPL against the c = 0 fine-tune of the same seed
-(``experiments/analysis.py``), ``sft_dppl.png`` (bars) and ``sft_curves_<setting>.png``
+(``experiments/analysis.py``) and the dropped share of the pairs (mean over the logged
+steps: c itself for a fixed rate, what the target chose for an adaptive one),
+``sft_dppl.png`` (bars) and ``sft_curves_<setting>.png``
 (validation perplexity per rate). ``--steps`` sets both stages' steps unless
 ``--pretrain-steps`` / ``--sft-steps`` are given. Re-running the same command skips
 finished cells and resumes interrupted ones, the base included.
@@ -35,6 +39,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
+import adaptive_rate
 import analysis
 import grid as _grid
 import plots
@@ -59,34 +64,76 @@ def base_checkpoint(out: Path, args) -> Path:
     return out / base_cell(args).name / "checkpoints" / f"step-{args.pretrain_steps:08d}"
 
 
-def parse_settings(items: Sequence[str]) -> List[Tuple[str, str]]:
-    """``["lrm:topk", ...]`` -> ``[("lrm", "topk"), ...]``.
+#: What ``lrmoe train`` accepts for each field of a setting (lrmoe/ops.py).
+METRICS = ("lrm", "grad_sq", "grad_abs", "random")
+SELECTIONS = ("topk", "importance")
+QUOTA_RULES = ("proportional", "water_level")
+
+
+def parse_settings(items: Sequence[str], flag: str = "--settings"
+                   ) -> List[Tuple[str, str, str]]:
+    """``["lrm:topk", "lrm:importance:water_level"]`` ->
+    ``[("lrm", "topk", "proportional"), ("lrm", "importance", "water_level")]``.
+
+    Checked here, before the base pre-trains, rather than by the first fine-tune after it.
 
     Raises:
-        ValueError: an item that is not ``METRIC:SELECTION`` (naming ``--settings``).
+        ValueError: an item that is not ``METRIC:SELECTION[:QUOTA_RULE]`` or names an
+            unknown metric, selection or quota rule (naming ``flag`` and the choices).
     """
     out = []
     for item in items:
-        metric, sep, selection = item.partition(":")
-        if not sep or not metric or not selection:
-            raise ValueError(f"--settings {item!r}: expected METRIC:SELECTION, e.g. lrm:topk "
-                             "or random:topk")
-        out.append((metric, selection))
+        parts = item.split(":")
+        if len(parts) not in (2, 3) or not all(parts):
+            raise ValueError(f"{flag} {item!r}: expected METRIC:SELECTION[:QUOTA_RULE], e.g. "
+                             "lrm:topk, random:topk or lrm:importance:water_level")
+        metric, selection, quota = (*parts, "proportional")[:3]
+        for value, choices, what in ((metric, METRICS, "metric"),
+                                     (selection, SELECTIONS, "selection"),
+                                     (quota, QUOTA_RULES, "quota rule")):
+            if value not in choices:
+                raise ValueError(f"{flag} {item!r}: unknown {what} {value!r}; choose from "
+                                 f"{', '.join(choices)}")
+        out.append((metric, selection, quota))
     return out
 
 
+def setting_name(metric: str, selection: str, quota: str) -> str:
+    """``lrm topk`` for the proportional rule (the names of the first grids),
+    ``lrm importance water_level`` otherwise."""
+    return f"{metric} {selection}" + ("" if quota == "proportional" else f" {quota}")
+
+
 def sft_cells(args) -> List[Cell]:
-    """c = 0 per seed, then (setting, rate, seed); labels ``setting``, ``metric``,
-    ``selection``, ``rate``, ``seed``."""
+    """c = 0 per seed, then (setting, rate, seed), then (adaptive setting, target, seed);
+    labels ``setting``, ``metric``, ``selection``, ``quota_rule``, ``rate`` (the cap for an
+    adaptive cell), ``target`` (1 for a fixed rate) and ``seed``.
+
+    Cells of the proportional rule keep the names of the first grids
+    (``sft-lrm-topk-c0.3-s0``), so a grid directory of those grows into a larger one.
+    """
     out = [Cell(f"sft-c0-s{s}", ["-c", "0", "--set", f"seed={s}"],
-                {"setting": "c=0", "metric": "none", "selection": "none", "rate": 0.0,
-                 "seed": s})
+                {"setting": "c=0", "metric": "none", "selection": "none",
+                 "quota_rule": "none", "rate": 0.0, "target": 1.0, "seed": s})
            for s in args.seeds]
-    out += [Cell(f"sft-{m}-{sel}-c{c:g}-s{s}",
-                 ["-c", f"{c:g}", "--metric", m, "--selection", sel, "--set", f"seed={s}"],
-                 {"setting": f"{m} {sel}", "metric": m, "selection": sel, "rate": c,
-                  "seed": s})
-            for m, sel in parse_settings(args.settings) for c in args.rates
+
+    def cell(m, sel, q, c, s, target=None):
+        tag = "" if q == "proportional" else f"-{q}"
+        rate = f"c{c:g}" if target is None else f"rho{target:g}-cap{c:g}"
+        extra = [] if target is None else ["--retained-mass-target", f"{target:g}"]
+        setting = setting_name(m, sel, q) + ("" if target is None else f" rho*={target:g}")
+        return Cell(f"sft-{m}-{sel}{tag}-{rate}-s{s}",
+                    ["-c", f"{c:g}", *extra, "--metric", m, "--selection", sel,
+                     *(["--quota-rule", q] if tag else []), "--set", f"seed={s}"],
+                    {"setting": setting, "metric": m, "selection": sel, "quota_rule": q,
+                     "rate": c, "target": 1.0 if target is None else target, "seed": s})
+
+    out += [cell(m, sel, q, c, s) for m, sel, q in parse_settings(args.settings)
+            for c in args.rates for s in args.seeds]
+    targets = getattr(args, "targets", None) or []
+    adaptive = parse_settings(getattr(args, "adaptive_settings", None) or [],
+                              "--adaptive-settings")
+    out += [cell(m, sel, q, args.cap, s, t) for m, sel, q in adaptive for t in targets
             for s in args.seeds]
     return out
 
@@ -117,7 +164,8 @@ def check_base(out: Path, checkpoint: Path, cells: Sequence[Cell]) -> None:
         return
     before = json.loads(path.read_text()).get("checkpoint")
     started = [c.name for c in cells if (out / c.name).exists()]
-    if before != str(checkpoint) and started:
+    # resolved: the same --out given once relative and once absolute is the same base
+    if Path(before).resolve() != checkpoint.resolve() and started:
         raise ValueError(f"{out} holds fine-tunes ({', '.join(started[:3])}, ...) of the base "
                          f"{before}, not of {checkpoint} (--pretrain-steps or --base-seed "
                          f"changed); use another --out")
@@ -126,6 +174,11 @@ def check_base(out: Path, checkpoint: Path, cells: Sequence[Cell]) -> None:
 def analyse(records, out: Path, args) -> str:
     rows = analysis.dppl_table(records, ["setting", "rate"],
                                lambda r: r["labels"]["rate"] == 0, args.last_evals)
+    for row in rows:
+        runs = [r for r in records if r["labels"]["setting"] == row["setting"]
+                and r["labels"]["rate"] == row["rate"] and r["summary"]]
+        row["dropped"], row["dropped_sd"], _ = analysis.mean_spread(
+            adaptive_rate.mean_dropped(r) for r in runs)
     baseline = [r for r in rows if r["rate"] == 0]
     rows = [r for r in rows if r["rate"] != 0]
     plots.bars(rows, lambda r: f"{r['setting']} c={r['rate']:g}", "dppl_pct", "dppl_pct_sd",
@@ -146,8 +199,8 @@ def analyse(records, out: Path, args) -> str:
             f"{base.get('last_val_ppl', float('nan')):.4g}); fine-tunes on "
             f"`alpaca:{args.sft_data}`, {args.sft_steps} steps, lr {args.sft_lr:g}.\n\n"
             + analysis.markdown_table(baseline + rows, [
-                "setting", "rate", "ppl", "ppl_sd", "dppl_pct", "dppl_pct_sd", "dppl_abs",
-                "seeds"]) + "\n\n![dPPL per setting](sft_dppl.png)\n\n" + "\n".join(figures))
+                "setting", "rate", "dropped", "ppl", "ppl_sd", "dppl_pct", "dppl_pct_sd",
+                "dppl_abs", "seeds"]) + "\n\n![dPPL per setting](sft_dppl.png)\n\n" + "\n".join(figures))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -176,8 +229,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    metavar="KEY=VALUE", help="like --set, for the fine-tunes only")
     p.add_argument("--settings", nargs="+", default=["lrm:topk", "lrm:importance",
                                                      "random:topk"],
-                   help="METRIC:SELECTION pairs fine-tuned at every rate")
+                   help="METRIC:SELECTION[:QUOTA_RULE] settings fine-tuned at every rate "
+                        "(quota rule proportional unless named)")
     p.add_argument("--rates", type=float, nargs="+", default=[0.2, 0.3, 0.5])
+    p.add_argument("--targets", type=float, nargs="+", default=[],
+                   help="adaptive rate: retained-mass targets rho* in (0, 1], each run at "
+                        "-c --cap --retained-mass-target RHO (default: none)")
+    p.add_argument("--adaptive-settings", nargs="+", default=["lrm:topk", "lrm:importance"],
+                   help="settings run with each --targets value")
+    p.add_argument("--cap", type=float, default=0.5,
+                   help="the largest rate an adaptive target may pick")
     args = p.parse_args(argv)
     args.pretrain_steps = args.pretrain_steps if args.pretrain_steps is not None else args.steps
     args.sft_steps = args.sft_steps if args.sft_steps is not None else args.steps
@@ -186,8 +247,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(c <= 0 for c in args.rates):
         p.error("--rates are the dropping rates to compare (> 0); c = 0 always runs")
+    if not all(0 < t <= 1 for t in args.targets):
+        p.error(f"--targets must lie in (0, 1], got {args.targets}")
+    if not 0 < args.cap < 1:
+        p.error(f"--cap must lie in (0, 1), got {args.cap}")
     try:
         parse_settings(args.settings)
+        parse_settings(args.adaptive_settings, "--adaptive-settings")
     except ValueError as e:
         p.error(str(e))
     # analysing finished runs reads only their metrics (a clone re-makes the tables of

@@ -193,6 +193,39 @@ def test_grid_covers_rates_and_settings():
         sft.parse_settings(["lrm"])
 
 
+def test_grid_quota_rules_and_adaptive_cells():
+    """A third field names the quota rule (and only then the cell name and arguments carry
+    it); --targets add one adaptive cell per adaptive setting, target and seed."""
+    args = sft.argparse.Namespace(seeds=[0], rates=[0.3],
+                                  settings=["lrm:topk", "lrm:importance:water_level"],
+                                  targets=[0.99, 0.995], adaptive_settings=["lrm:importance"],
+                                  cap=0.5)
+    by_name = {c.name: c for c in sft.sft_cells(args)}
+    assert set(by_name) == {"sft-c0-s0", "sft-lrm-topk-c0.3-s0",
+                            "sft-lrm-importance-water_level-c0.3-s0",
+                            "sft-lrm-importance-rho0.99-cap0.5-s0",
+                            "sft-lrm-importance-rho0.995-cap0.5-s0"}
+    assert by_name["sft-lrm-importance-water_level-c0.3-s0"].args == [
+        "-c", "0.3", "--metric", "lrm", "--selection", "importance", "--quota-rule",
+        "water_level", "--set", "seed=0"]
+    adaptive = by_name["sft-lrm-importance-rho0.99-cap0.5-s0"]
+    assert adaptive.args == ["-c", "0.5", "--retained-mass-target", "0.99", "--metric", "lrm",
+                             "--selection", "importance", "--set", "seed=0"]
+    assert adaptive.labels["setting"] == "lrm importance rho*=0.99"
+    assert adaptive.labels["target"] == 0.99 and adaptive.labels["rate"] == 0.5
+
+
+@pytest.mark.parametrize("item, match", [
+    ("lrm:topk:water", "unknown quota rule 'water'"),
+    ("lrn:topk", "unknown metric 'lrn'"),
+    ("lrm:top_k", "unknown selection 'top_k'"),
+    ("lrm:topk:water_level:x", "METRIC:SELECTION"),
+    ("lrm::water_level", "METRIC:SELECTION")])
+def test_bad_setting_is_named_before_the_base_runs(item, match):
+    with pytest.raises(ValueError, match=match):
+        sft.parse_settings([item])
+
+
 MICRO = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.num_attention_heads=2",
          "model.num_key_value_heads=1", "model.head_dim=16", "model.intermediate_size=64",
          "model.moe_intermediate_size=16", "model.num_experts=4", "data.vocab_size=300",
