@@ -38,7 +38,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lrmoe.bench.methods import Method, layer_config
+from lrmoe.bench.method import Method
+from lrmoe.bench.methods import layer_config
 from lrmoe.bench.routing import SHAPES as BENCH_SHAPES
 from lrmoe.bench.routing import Case, Inputs
 from lrmoe.bench.timing import (PHASES_BWD, PHASES_FWD, Timer, measure_ceilings,
@@ -103,7 +104,7 @@ def point_layer(shape: str, experts: int, rows: int, device: torch.device,
     :func:`balanced_ids` (T, K) routing with ``rows`` rows per expert.
 
     Returns:
-        (:class:`lrmoe.bench.routing.Case`, :class:`lrmoe.bench.methods.Method`,
+        (:class:`lrmoe.bench.routing.Case`, :class:`lrmoe.bench.method.Method`,
         :class:`lrmoe.bench.routing.Inputs`).
 
     Raises:

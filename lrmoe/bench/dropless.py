@@ -140,7 +140,7 @@ def dropless_moe_ep(x_TH: Tensor, weights_TK: Tensor, expert_ids_TK: Tensor,
     if expert_ids_TK.shape[0] != x_TH.shape[0]:
         raise ValueError(f"dropless_moe_ep: expert_ids_TK has {expert_ids_TK.shape[0]} rows "
                          f"but x_TH has {x_TH.shape[0]} tokens; pass one id row per token")
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world = dist.get_world_size(group)
     top_k = expert_ids_TK.shape[1]
     local = w_gate_up_L2IH.shape[0]
     dev = x_TH.device

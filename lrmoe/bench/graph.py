@@ -56,7 +56,7 @@ class GraphedStep:
 
     Args:
         forward: (x (T, H), expert ids (T, K) int64) -> (T, H) output, e.g. a
-            :class:`lrmoe.bench.methods.Method`'s ``forward``.
+            :class:`lrmoe.bench.method.Method`'s ``forward``.
         params: the parameters whose gradients the backward fills.
         x_TH, ids_TK, g_TH: CUDA example input, routing and output gradient; copied into
             the static buffers (their values are the first replay's inputs).

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from lrmoe.bench.methods import (EP_METHODS, build_methods, check_agreement, check_choices,
                                  reference_outputs)
-from lrmoe.bench.report import (A2A_PHASES, BYTES_BWD, BYTES_FWD, FAILED, markdown_ep,
+from lrmoe.bench.report import (BYTES_BWD, BYTES_FWD, FAILED, markdown_ep,
                                 write_reports)
 from lrmoe.bench.routing import ROUTING_SEED_STRIDE, SHAPES, Case, cases, make_inputs
 from lrmoe.bench.timing import (PeakMemory, Timer, kernel_split, phase_times, profile_step,

@@ -17,13 +17,15 @@ Legend: T tokens, H hidden, I expert intermediate, E experts, K top_k.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# Method and the tolerances live in lrmoe.bench.method so that the torchtitan baseline
+# (lrmoe.bench.torchtitan_moe), which this module builds, need not import this one back.
+from lrmoe.bench.method import Method, tolerance
 from lrmoe.bench.routing import SHAPES, Case, Inputs
 from lrmoe.config import LRMoEConfig
 from lrmoe.layer import LRMoELayer
@@ -31,63 +33,6 @@ from lrmoe.layer import LRMoELayer
 METHODS = ("lrmoe", "dropless", "transformers", "torchtitan")
 #: the methods that have an expert-parallel mode (``--ep``)
 EP_METHODS = ("lrmoe", "dropless")
-
-#: agreement tolerances, relative Frobenius error. float32: the same function summed in
-#: other orders agrees to a few float32 roundings. bf16: an 8-bit mantissa (relative
-#: rounding 2^-9 per value), a few roundings accumulated through two GEMMs.
-FP32_TOL = 1e-4
-BF16_TOL = 3e-2
-
-
-def label(method: str, rate: Optional[float]) -> str:
-    """Display name of a method: ``lrmoe c=0.2`` for LRMoE at rate 0.2, else the name."""
-    return f"{method} c={rate:g}" if rate is not None else method
-
-
-@dataclasses.dataclass(eq=False)
-class Method:
-    """A forward callable over (x_TH, ids_TK) with shared parameters; backward via
-    autograd.
-
-    Attributes:
-        method: ``lrmoe``, ``dropless``, ``transformers`` or ``torchtitan``.
-        rate: the LRMoE recalibration rate c; None for the baselines.
-        forward: (x (T, H), expert ids (T, K) int64) -> (T, H) output.
-        params: the parameters whose gradients one step fills (cleared between steps).
-        reference: the LRMoE layer holding the shared weights (the agreement check runs
-            it at c = 0); for an ``lrmoe`` method also the layer it times.
-        tolerance: the agreement tolerance (relative Frobenius error), 0 for ``lrmoe``.
-        a2a_source: expert parallel dropless only: the dict its forward fills with the
-            bytes sent into each all-to-all.
-        module: a baseline's own module (transformers' block, torchtitan's MoE), for
-            inspection; None otherwise.
-    """
-
-    method: str
-    rate: Optional[float]
-    forward: Callable[[Tensor, Tensor], Tensor]
-    params: List[Tensor]
-    reference: LRMoELayer
-    tolerance: float = 0.0
-    a2a_source: Optional[Dict[str, int]] = None
-    module: Optional[torch.nn.Module] = None
-
-    @property
-    def label(self) -> str:
-        return label(self.method, self.rate)
-
-    @property
-    def layer(self) -> Optional[LRMoELayer]:
-        """The LRMoE layer this method times (None for a baseline)."""
-        return self.reference if self.method == "lrmoe" else None
-
-    @property
-    def a2a_bytes(self) -> Dict[str, int]:
-        """Expert parallel only: all-to-all bytes of the last step (``lrmoe.parallel``
-        keys), refreshed by every forward/backward; empty on one device."""
-        if self.layer is not None:
-            return dict(self.layer.stats.a2a_bytes or {})
-        return dict(self.a2a_source or {})
 
 
 def default_methods() -> List[str]:
@@ -133,11 +78,6 @@ def layer_config(case: Case, offload: str = "none") -> LRMoEConfig:
                        num_experts=d["experts"], top_k=d["top_k"],
                        shared_expert_intermediate_size=d["shared"], metric="lrm",
                        selection="topk", offload=offload)
-
-
-def tolerance(dtype: torch.dtype) -> float:
-    """Agreement tolerance of a method computing in ``dtype``."""
-    return FP32_TOL if dtype in (torch.float32, torch.float64) else BF16_TOL
 
 
 def build_methods(case: Case, rates: Sequence[float], methods: Sequence[str],

@@ -2,7 +2,7 @@
 
 A record is one method on one case (a dict): ``method`` (``lrmoe``, ``dropless``,
 ``transformers``, ``torchtitan``), ``rate`` (the LRMoE recalibration rate, None for a
-baseline), ``label`` (display name, :func:`lrmoe.bench.methods.label`), the case
+baseline), ``label`` (display name, :func:`lrmoe.bench.method.label`), the case
 (``shape``, ``tokens`` or ``tokens_per_rank``, ``routing``), times in ms (``fwd_ms``,
 ``bwd_ms``, ``fwd_bwd_ms``; None where the method failed its agreement check),
 ``phases_ms`` and, for baselines, ``agreement``.

@@ -163,7 +163,7 @@ def time_iterations(method, inputs: Inputs, timer: Timer, warmup: int, iters: in
                     before_each: Optional[Callable[[], None]] = None,
                     sync_each: bool = False) -> Tuple[List[float], List[float]]:
     """Run ``warmup + iters`` forward + backward steps of a
-    :class:`lrmoe.bench.methods.Method` over the rotated input sets.
+    :class:`lrmoe.bench.method.Method` over the rotated input sets.
 
     ``before_each`` runs untimed before every step (EP: a barrier so ranks start
     together; ``lrmoe.bench.layer_ep``'s also waits for the device, so EP steps always

@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from lrmoe.bench.methods import BF16_TOL, Method
+from lrmoe.bench.method import BF16_TOL, Method
 from lrmoe.bench.routing import Case
 from lrmoe.layer import LRMoELayer
 
@@ -61,7 +61,7 @@ def torchtitan_method(base: LRMoELayer, case: Case, device: torch.device) -> Met
         case: shape and dtype. device: where the module lives.
 
     Returns:
-        A :class:`lrmoe.bench.methods.Method` named ``torchtitan``.
+        A :class:`lrmoe.bench.method.Method` named ``torchtitan``.
 
     Raises:
         ValueError: torchtitan not importable (with the install line), or a layer config
