@@ -4,9 +4,11 @@
 #   1. the CUDA build (setup.py build_ext --inplace, LRMOE_CUDA=1);
 #   2. the CUDA-graph checks the last session could not re-run (test_layer_gpu.py -k
 #      graph) and the Qwen3 layer's graph rows (lrmoe bench layer --cuda-graph);
-#   3. time to loss of the best setting (lrm importance, c = 0.3) against c = 0, seed 0,
-#      each cell alone on the device (experiments/time_to_loss.py, --jobs 1): its
-#      MoE-layer times and tokens/s are comparable only within one session;
+#   3. with TTL=1 only (it ran in session 6: experiments/results/
+#      gpu-small-time-to-loss-session6.tar.gz), time to loss of the best setting (lrm
+#      importance, c = 0.3) against c = 0, seed 0, each cell alone on the device
+#      (experiments/time_to_loss.py, --jobs 1): its MoE-layer times and tokens/s are
+#      comparable only within one session;
 #   4. the SFT grid for SFT_SEEDS (default "1 2"; seed 0 is committed in
 #      experiments/results/sft-gpu-small-seed0.tar.gz: to analyse all seeds, unpack it
 #      and the returned sft_runs.tar.gz into one folder and run experiments/sft.py
@@ -28,7 +30,7 @@
 # ttl_report.md, sft_report.md, sft_runs.tar.gz, grid_report.md, grid_runs.tar.gz (the
 # time-to-loss runs join grid_runs.tar.gz under ttl/).
 # Environment: PYTHON (python3), MAX_JOBS (16), BUDGET (540), WORK, CAP_TESTS (40),
-# CAP_BENCH (90), SKIP_CHECKS (1: no tests and bench, e.g. in a continuing call), JOBS (4
+# CAP_BENCH (90), TTL (0), SKIP_CHECKS (1: no tests and bench, e.g. in a continuing call), JOBS (4
 # cells at once: a gpu-small cell peaks near 21 GiB of GPU memory and writes 7.5 GB
 # checkpoints; six cells with two checkpoints each filled the machine's 64 GiB disk in
 # session 6, and one gpu-small run already keeps the H200 busy, so more cells only overlap
@@ -71,13 +73,15 @@ if [[ "${SKIP_CHECKS:-0}" != 1 ]]; then
   cp "$work/bench/layer_bench.md" "$out/" 2>/dev/null
 fi
 
-T="--preset gpu-small --device cuda --steps 300 --seeds 0 --eval-every 25 --prune-checkpoints"
-# shellcheck disable=SC2086
-(( $(left) > 60 )) && timeout -s INT "$(left)" "$py" experiments/time_to_loss.py $T --jobs 1 \
-  --rates 0.3 --selection importance --targets 4.3 4.1 4.0 --out "$work/ttl" \
-  > "$work/ttl_stdout.txt" 2>&1
-log "time to loss rc $?"
-cp "$work/ttl/report.md" "$out/ttl_report.md" 2>/dev/null
+if [[ "${TTL:-0}" == 1 ]]; then
+  T="--preset gpu-small --device cuda --steps 300 --seeds 0 --eval-every 25 --prune-checkpoints"
+  # shellcheck disable=SC2086
+  (( $(left) > 60 )) && timeout -s INT "$(left)" "$py" experiments/time_to_loss.py $T \
+    --jobs 1 --rates 0.3 --selection importance --targets 4.3 4.1 4.0 --out "$work/ttl" \
+    > "$work/ttl_stdout.txt" 2>&1
+  log "time to loss rc $?"
+  cp "$work/ttl/report.md" "$out/ttl_report.md" 2>/dev/null
+fi
 
 [[ -f "$work/wordnet_alpaca.jsonl" ]] || gunzip -c "$SFT_DATA_GZ" > "$work/wordnet_alpaca.jsonl"
 S="--preset gpu-small --device cuda --pretrain-steps 300 --sft-data $work/wordnet_alpaca.jsonl"
