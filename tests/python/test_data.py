@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import lrmoe.data as D
+import lrmoe.data.tokenizer
 from lrmoe.data import TokenBlocks, alpaca_prompt, batches, load_data, num_batches
 from lrmoe.data import gcide as G
 from lrmoe.data.packing import encode_texts, pack_examples, split_pieces
@@ -529,8 +530,8 @@ def test_tokenizer_and_data_are_cached(dictd, tmp_path, monkeypatch):
     def no_parsing(*a, **k):
         raise AssertionError("GCIDE parsed again although the blocks are cached")
     with monkeypatch.context() as m:
-        m.setattr(D._tok, "train_bpe", no_training)
-        m.setattr(D._gcide, "load_gcide", no_parsing)
+        m.setattr(lrmoe.data.tokenizer, "train_bpe", no_training)
+        m.setattr(G, "load_gcide", no_parsing)
         second = load_data("gcide", **kw)
     assert not calls and second.tokenizer_path.stat().st_mtime_ns == mtime
     assert torch.equal(first.train.input_ids, second.train.input_ids)
@@ -540,7 +541,7 @@ def test_tokenizer_and_data_are_cached(dictd, tmp_path, monkeypatch):
     assert any(n.startswith("data: cached") for n in second.report.notes)
     # Another seq_len re-packs (parsing again) but keeps the tokenizer.
     with monkeypatch.context() as m:
-        m.setattr(D._tok, "train_bpe", no_training)
+        m.setattr(lrmoe.data.tokenizer, "train_bpe", no_training)
         third = load_data("gcide", **{**kw, "seq_len": 96})
     assert third.train.input_ids.shape[1] == 96 and third.tokenizer_path == first.tokenizer_path
     assert not list(cache.glob("*.tmp"))
@@ -553,7 +554,7 @@ def test_interrupted_cache_write_leaves_no_file(dictd, tmp_path, monkeypatch):
         Path(f).write_bytes(b"half")
         raise KeyboardInterrupt
     with monkeypatch.context() as m:
-        m.setattr(D.torch, "save", crash)
+        m.setattr(torch, "save", crash)
         with pytest.raises(KeyboardInterrupt):
             load_data("gcide", seq_len=64, cache_dir=cache, vocab_size=1000)
     assert not list(cache.glob("data-*")) and not list(cache.glob("*.tmp"))
