@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 from lrmoe.training.config import (SECTIONS, DataConfig, ModelConfig, OptimConfig, RunConfig,
-                                   TrainConfig, _set, flatten, resolve_key)
+                                   TrainConfig)
+from lrmoe.training.keys import flatten, resolve_key, set_key
 from lrmoe.training.distributed import log
 
 #: Fields that may differ between a checkpoint and the run that resumes it: they change
@@ -145,22 +146,22 @@ def build_config(preset: Optional[str] = None, config_file: Optional[str | os.Pa
         key = str(key)
         if key in SECTIONS and isinstance(value, Mapping):
             for k, v in value.items():
-                _set(d, resolve_key(f"{key}.{k}"), v)
+                set_key(d, resolve_key(f"{key}.{k}"), v)
             continue
         dotted = resolve_key(key)
         if dotted != key:
             flat.append(f"{key} -> {dotted}")
-        _set(d, dotted, value)
+        set_key(d, dotted, value)
     if flat:
         log(f"note: --config {config_file} uses flat keys of earlier versions, read as "
             f"{', '.join(flat)}; nest them by section (lrmoe train --print-config shows the "
             "layout)")
     for item in sets:
         key, value = parse_set(item)
-        _set(d, resolve_key(key), value)
+        set_key(d, resolve_key(key), value)
     for key, value in (overrides or {}).items():
         if value is not None:
-            _set(d, resolve_key(key), value)
+            set_key(d, resolve_key(key), value)
     return TrainConfig.from_dict(d)
 
 
