@@ -8,8 +8,8 @@ a failed or interrupted start leaves the directory as it was):
    divisible by the EP size, the torchrun group (:mod:`lrmoe.training.distributed`), the
    device, the run directory (a fresh run refuses one that holds a run) or the checkpoint
    (a resume refuses incompatible settings);
-2. set-up: data (:mod:`lrmoe.data`), model (transformers, patched by
-   ``lrmoe.integrations.transformers.patch_moe_blocks``), optimizer
+2. set-up (:mod:`lrmoe.training.setup`): device, data (:mod:`lrmoe.data`), model
+   (transformers, patched by ``lrmoe.integrations.transformers.patch_moe_blocks``), optimizer
    (:mod:`lrmoe.training.optim`), batch stream (:mod:`lrmoe.training.batches`);
 3. the run directory: stale ``.tmp-step-*`` saves removed, the files of an earlier run
    replaced (fresh) or the checkpoint's log restored (resume), metrics opened
@@ -32,11 +32,12 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lrmoe.paths import check_output
 from lrmoe.training import checkpoint as ckpt_io
 from lrmoe.training import distributed as dist_io
+from lrmoe.training import setup
 from lrmoe.training.batches import BatchStream, micro_batches
 from lrmoe.training.compose import check_resume_compatible
 from lrmoe.training.config import TrainConfig, check_ep_divides
@@ -80,25 +81,6 @@ def holds_run(run_dir: Path) -> bool:
     return any(r.get("kind") == "train" for r in read_metrics(run_dir / METRICS_FILE))
 
 
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"run.device={name!r} but torch sees no CUDA device (torch "
-                         f"{torch.__version__}, CUDA build: {torch.version.cuda}); use "
-                         "--device cpu")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"run.device={name!r} but torch sees {torch.cuda.device_count()} "
-                         "CUDA device(s)")
-    return dev
-
-
-def _cache_dir(cfg: TrainConfig) -> str:
-    return cfg.data.cache_dir or os.environ.get("LRMOE_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "lrmoe")
-
-
 class Trainer:
     """One training run; see :func:`lrmoe.train.train`.
 
@@ -132,7 +114,7 @@ class Trainer:
         self.group, self.rank = (g.world, g.rank) if g is not None else (None, 0)
         self.ep_group, self.dp_group = (g.ep, g.dp) if g is not None else (None, None)
         self.ep_rank, self.dp_rank = (g.ep_rank, g.dp_rank) if g is not None else (0, 0)
-        self.device = _resolve_device(dist_io.local_device(cfg.run.device))
+        self.device = setup.resolve_device(dist_io.local_device(cfg.run.device))
         # ep ranks > 0 keep their files (expert shards) in out_dir/ep-rank-e, dp ranks > 0
         # only their logs below that (checkpoint.rank_dir)
         self.out_dir = ckpt_io.rank_dir(cfg.run.out_dir, self.ep_rank, self.dp_rank)
@@ -216,55 +198,24 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up
     def _setup(self) -> None:
-        from lrmoe.data import load_data
         from lrmoe.integrations.transformers import patch_moe_blocks
         from lrmoe.parallel.replicas import placement_from_config
 
         cfg = self.cfg
-        import transformers
-        transformers.utils.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-        if cfg.run.torch_threads:
-            torch.set_num_threads(cfg.run.torch_threads)
-        self.autocast_dtype = (None if cfg.run.dtype == "float32" or (
-            cfg.run.dtype == "auto" and self.device.type != "cuda") else torch.bfloat16)
-        if self.device.type == "cuda":
-            if self.device.index is not None:
-                torch.cuda.set_device(self.device)
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
-            torch.cuda.reset_peak_memory_stats(self.device)
-        t = time.perf_counter()
         d = cfg.data
-        self.data = dist_io.rank0_first(self.group, self.rank, lambda: load_data(
-            d.source, seq_len=d.seq_len, cache_dir=_cache_dir(cfg), tokenizer=self.tokenizer,
-            vocab_size=d.vocab_size, val_fraction=d.val_fraction, max_records=d.max_records,
-            seed=cfg.run.seed), "loading the data")
-        for line in self.data.report.lines():
-            log(line)
-        log(f"data ready in {time.perf_counter() - t:.1f} s: {len(self.data.train)} training "
-            f"and {len(self.data.val)} validation sequences of {d.seq_len} tokens, vocab "
-            f"{self.data.vocab_size}")
-        if len(self.data.train) < d.batch_size:
-            raise ValueError(f"the training split has {len(self.data.train)} sequences, fewer "
-                             f"than data.batch_size={d.batch_size}; lower it or add data")
-        if len(self.data.val) == 0:
-            raise ValueError("the validation split is empty; raise data.val_fraction or add "
-                             "data")
-        self.data_fingerprint = {
-            "train_sequences": len(self.data.train), "val_sequences": len(self.data.val),
-            "tokenizer_sha256": ckpt_io.file_sha256(self.data.tokenizer_path),
-            "train_ids_sum": int(self.data.train.input_ids.sum()),
-            "val_ids_sum": int(self.data.val.input_ids.sum())}
+        self.autocast_dtype = setup.configure_device(cfg, self.device)
+        self.data = dist_io.rank0_first(
+            self.group, self.rank, lambda: setup.load_run_data(cfg, self.tokenizer),
+            "loading the data")
+        self.data_fingerprint = setup.data_fingerprint(self.data)
         if self._state is not None:
-            saved = self._state["data_fingerprint"]
-            diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}"
-                     for k, v in self.data_fingerprint.items() if saved.get(k) != v]
-            if diffs:
-                raise ValueError("cannot resume: the data differ from the checkpoint's (the "
-                                 "data files or the tokenizer changed):\n  " + "\n  ".join(diffs))
-
-        self.model = self._build_model()
+            setup.check_same_data(self._state["data_fingerprint"], self.data_fingerprint)
+        source = self.resume_from or (Path(cfg.model.init_from) if cfg.model.init_from
+                                      else None)
+        if self.sharded and self.resume_from is not None:
+            source = None  # expert-sharded weights: built whole, sharded, then loaded
+        self.model = setup.build_model(cfg, self.data, source)
+        self.num_params = sum(p.numel() for p in self.model.parameters())
         patched = patch_moe_blocks(self.model, ep_group=self.ep_group,
                                    policy=placement_from_config(cfg.parallel),
                                    **cfg.lrmoe_settings)
@@ -302,40 +253,6 @@ class Trainer:
         self.tokens_seen, self.elapsed_before = 0, 0.0
         if self._state is not None:
             self._load_state(self._state)
-
-    def _build_model(self) -> nn.Module:
-        from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-        cfg = self.cfg
-        m = cfg.model
-        source = self.resume_from or (Path(m.init_from) if m.init_from else None)
-        if self.sharded and self.resume_from is not None:
-            source = None  # expert-sharded weights: built whole, sharded, then loaded
-        if source is not None:
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-            if self.data.vocab_size > model.config.vocab_size:
-                raise ValueError(f"the tokenizer has {self.data.vocab_size} tokens but the model "
-                                 f"{source} only {model.config.vocab_size} embeddings; use the "
-                                 "model's tokenizer (--tokenizer DIR/tokenizer.json)")
-            log(f"model: {type(model).__name__} from {source}")
-        else:
-            torch.manual_seed(cfg.run.seed)
-            hf = Qwen3MoeConfig(
-                vocab_size=self.data.vocab_size, hidden_size=m.hidden_size,
-                num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
-                num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim,
-                intermediate_size=m.intermediate_size,
-                moe_intermediate_size=m.moe_intermediate_size, num_experts=m.num_experts,
-                num_experts_per_tok=m.num_experts_per_tok, norm_topk_prob=m.norm_topk_prob,
-                router_aux_loss_coef=m.router_aux_loss_coef,
-                max_position_embeddings=m.max_position_embeddings,
-                pad_token_id=self.data.pad_id, eos_token_id=self.data.eos_id,
-                bos_token_id=None, tie_word_embeddings=False)
-            model = Qwen3MoeForCausalLM(hf)
-            log("model: Qwen3MoeForCausalLM, random init")
-        self.num_params = sum(p.numel() for p in model.parameters())
-        log(f"model: {self.num_params / 1e6:.2f} M parameters")
-        return model
 
     def _load_state(self, state: Dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])

@@ -479,11 +479,11 @@ def _bad_start(tmp_path, case, monkeypatch):
     if case == "tokenizer":
         return cfg.replace(tokenizer=str(tmp_path / "no.json")), FileNotFoundError, "no.json"
     if case == "ctrl_c":
-        import lrmoe.data
+        from lrmoe.training import setup
 
         def interrupted(*args, **kwargs):
             raise KeyboardInterrupt
-        monkeypatch.setattr(lrmoe.data, "load_data", interrupted)
+        monkeypatch.setattr(setup, "load_data", interrupted)
         return cfg, KeyboardInterrupt, None
     assert case == "ep"
     from transformers import Qwen3MoeConfig

@@ -1,0 +1,152 @@
+"""What a run of ``lrmoe train`` is built from, before the loop: the device and its
+precision, the data (loaded, reported, checked against a checkpoint's) and the model
+(from a checkpoint, ``model.init_from`` or a random Qwen3-MoE of the ``model`` section).
+:class:`lrmoe.training.trainer.Trainer` calls these in this order.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional
+
+import torch
+from torch import nn
+
+from lrmoe.data import LMData, load_data
+from lrmoe.training import checkpoint as ckpt_io
+from lrmoe.training.config import TrainConfig
+from lrmoe.training.distributed import log
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` (CUDA when torch sees it, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``.
+
+    Raises:
+        ValueError: a CUDA device asked for where torch sees none, or an index past the
+            devices it sees (naming ``run.device`` and the fix).
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"run.device={name!r} but torch sees no CUDA device (torch "
+                         f"{torch.__version__}, CUDA build: {torch.version.cuda}); use "
+                         "--device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"run.device={name!r} but torch sees {torch.cuda.device_count()} "
+                         "CUDA device(s)")
+    return dev
+
+
+def cache_dir(cfg: TrainConfig) -> str:
+    """``data.cache_dir``, else ``$LRMOE_CACHE_DIR``, else ``~/.cache/lrmoe``."""
+    return cfg.data.cache_dir or os.environ.get("LRMOE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "lrmoe")
+
+
+def configure_device(cfg: TrainConfig, device: torch.device) -> Optional[torch.dtype]:
+    """Threads, the bound CUDA device, TF32 and the peak-memory counter; quiet
+    transformers logging. Returns the autocast dtype: bfloat16 (``run.dtype`` bfloat16, or
+    auto on CUDA) or None (float32)."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    if cfg.run.torch_threads:
+        torch.set_num_threads(cfg.run.torch_threads)
+    if device.type == "cuda":
+        if device.index is not None:
+            torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.cuda.reset_peak_memory_stats(device)
+    return (None if cfg.run.dtype == "float32" or (
+        cfg.run.dtype == "auto" and device.type != "cuda") else torch.bfloat16)
+
+
+def load_run_data(cfg: TrainConfig, tokenizer: Optional[str]) -> LMData:
+    """The ``data`` section's source, read, split, tokenized and packed
+    (:func:`lrmoe.data.load_data`, cached), its report logged.
+
+    Raises:
+        ValueError: fewer training sequences than ``data.batch_size``, an empty validation
+            split, or what :func:`lrmoe.data.load_data` raises.
+        FileNotFoundError: from :func:`lrmoe.data.load_data` (a missing source).
+    """
+    d = cfg.data
+    t = time.perf_counter()
+    data = load_data(d.source, seq_len=d.seq_len, cache_dir=cache_dir(cfg), tokenizer=tokenizer,
+                     vocab_size=d.vocab_size, val_fraction=d.val_fraction,
+                     max_records=d.max_records, seed=cfg.run.seed)
+    for line in data.report.lines():
+        log(line)
+    log(f"data ready in {time.perf_counter() - t:.1f} s: {len(data.train)} training "
+        f"and {len(data.val)} validation sequences of {d.seq_len} tokens, vocab "
+        f"{data.vocab_size}")
+    if len(data.train) < d.batch_size:
+        raise ValueError(f"the training split has {len(data.train)} sequences, fewer "
+                         f"than data.batch_size={d.batch_size}; lower it or add data")
+    if len(data.val) == 0:
+        raise ValueError("the validation split is empty; raise data.val_fraction or add "
+                         "data")
+    return data
+
+
+def data_fingerprint(data: LMData) -> Dict[str, Any]:
+    """What a checkpoint records of its data: split sizes, the tokenizer file's SHA-256
+    and the sums of the token ids of each split (a changed file changes one of them)."""
+    return {"train_sequences": len(data.train), "val_sequences": len(data.val),
+            "tokenizer_sha256": ckpt_io.file_sha256(data.tokenizer_path),
+            "train_ids_sum": int(data.train.input_ids.sum()),
+            "val_ids_sum": int(data.val.input_ids.sum())}
+
+
+def check_same_data(saved: Mapping[str, Any], now: Mapping[str, Any]) -> None:
+    """A resume reads the data its checkpoint trained on.
+
+    Raises:
+        ValueError: every field of :func:`data_fingerprint` that differs, both values named.
+    """
+    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in now.items()
+             if saved.get(k) != v]
+    if diffs:
+        raise ValueError("cannot resume: the data differ from the checkpoint's (the "
+                         "data files or the tokenizer changed):\n  " + "\n  ".join(diffs))
+
+
+def build_model(cfg: TrainConfig, data: LMData, source: Optional[Path]) -> nn.Module:
+    """The float32 transformers model: loaded from ``source`` (a checkpoint or
+    ``model.init_from``), else a ``Qwen3MoeForCausalLM`` of the ``model`` section at
+    ``run.seed`` with the data's vocabulary and special tokens. Not yet patched by LRMoE.
+
+    Raises:
+        ValueError: the tokenizer has more tokens than ``source``'s embeddings.
+    """
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    m = cfg.model
+    if source is not None:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        if data.vocab_size > model.config.vocab_size:
+            raise ValueError(f"the tokenizer has {data.vocab_size} tokens but the model "
+                             f"{source} only {model.config.vocab_size} embeddings; use the "
+                             "model's tokenizer (--tokenizer DIR/tokenizer.json)")
+        log(f"model: {type(model).__name__} from {source}")
+    else:
+        torch.manual_seed(cfg.run.seed)
+        hf = Qwen3MoeConfig(
+            vocab_size=data.vocab_size, hidden_size=m.hidden_size,
+            num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
+            num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim,
+            intermediate_size=m.intermediate_size,
+            moe_intermediate_size=m.moe_intermediate_size, num_experts=m.num_experts,
+            num_experts_per_tok=m.num_experts_per_tok, norm_topk_prob=m.norm_topk_prob,
+            router_aux_loss_coef=m.router_aux_loss_coef,
+            max_position_embeddings=m.max_position_embeddings,
+            pad_token_id=data.pad_id, eos_token_id=data.eos_id,
+            bos_token_id=None, tie_word_embeddings=False)
+        model = Qwen3MoeForCausalLM(hf)
+        log("model: Qwen3MoeForCausalLM, random init")
+    log(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters")
+    return model
