@@ -164,8 +164,9 @@ def check_base(out: Path, checkpoint: Path, cells: Sequence[Cell]) -> None:
         return
     before = json.loads(path.read_text()).get("checkpoint")
     started = [c.name for c in cells if (out / c.name).exists()]
-    # resolved: the same --out given once relative and once absolute is the same base
-    if Path(before).resolve() != checkpoint.resolve() and started:
+    # the base always lives in --out, so its cell and step name it whatever the working
+    # folder was when base.json was written (an --out given relative, then absolute)
+    if Path(before).parts[-3:] != checkpoint.parts[-3:] and started:
         raise ValueError(f"{out} holds fine-tunes ({', '.join(started[:3])}, ...) of the base "
                          f"{before}, not of {checkpoint} (--pretrain-steps or --base-seed "
                          f"changed); use another --out")

@@ -286,3 +286,19 @@ def test_recipe_end_to_end_starts_every_fine_tune_from_the_base(tmp_path, wordne
             for i, a in enumerate(argv)]
     with pytest.raises(ValueError, match="holds fine-tunes .* another --out"):
         sft.main(more)
+
+
+def test_base_check_refuses_another_base_not_another_spelling(tmp_path):
+    """base.json written with --out relative still matches the same --out given absolute;
+    a base of another step count (or seed) with fine-tunes already started is refused."""
+    out = tmp_path / "grid"
+    (out / "sft-c0-s0").mkdir(parents=True)
+    (out / sft.BASE_FILE).write_text(json.dumps(
+        {"checkpoint": "runs/grid/base-c0-s0/checkpoints/step-00000300"}))
+    cells = [sft._grid.Cell("sft-c0-s0", [], {})]
+    sft.check_base(out, out / "base-c0-s0" / "checkpoints" / "step-00000300", cells)
+    with pytest.raises(ValueError, match="use another --out"):
+        sft.check_base(out, out / "base-c0-s0" / "checkpoints" / "step-00000200", cells)
+    with pytest.raises(ValueError, match="use another --out"):
+        sft.check_base(out, out / "base-c0-s1" / "checkpoints" / "step-00000300", cells)
+    sft.check_base(out, out / "base-c0-s1" / "checkpoints" / "step-00000300", [])  # none started
