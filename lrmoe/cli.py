@@ -8,6 +8,7 @@ Exit status: 0 on success, 2 on a usage or config error (the message names the s
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any, Dict, Optional, Sequence
 
@@ -119,6 +120,44 @@ def _add_bench_parser(sub: Any) -> None:
         return 0
 
     layer.set_defaults(func=_cmd_bench_layer)
+
+    a2a = benches.add_parser(
+        "a2a", help="the all-to-all link of one node, measured, as a link file for lrmoe sim",
+        description=(
+            "Under torchrun --nproc-per-node N (N >= 2): time all_to_all_single over a sweep "
+            "of message sizes, fit latency + bytes / bandwidth (the simulator's link model) "
+            "and write a2a.{json,md} and links.yaml (lrmoe sim --links) under --out "
+            "(lrmoe/bench/a2a.py)."),
+        formatter_class=_HelpFormatter)
+    a2a.add_argument("--sizes-kib", nargs="+", type=int, default=None,
+                     help="bytes each rank sends each peer, KiB (default: 4 16 64 256 1024 "
+                          "4096 16384 65536)")
+    a2a.add_argument("--iters", type=int, default=20, help="timed calls per size (median)")
+    a2a.add_argument("--warmup", type=int, default=5, help="untimed calls per size first")
+    a2a.add_argument("--device", default=None,
+                     help="cuda (NCCL) or cpu (gloo) (default: cuda if present)")
+    a2a.add_argument("--base-links", default=None, metavar="FILE.yaml",
+                     help="link file whose inter-node figures the result keeps (default: "
+                          "configs/links/default.yaml)")
+    a2a.add_argument("--out", default="a2a-out", help="folder for a2a.{json,md}, links.yaml")
+
+    def _cmd_bench_a2a(args: argparse.Namespace) -> int:
+        import shlex
+
+        from lrmoe.bench.a2a import DEFAULT_SIZES_KIB, bench_a2a
+        world = os.environ.get("WORLD_SIZE", "N")
+        command = (f"torchrun --nproc-per-node {world} -m lrmoe "
+                   + " ".join(shlex.quote(a) for a in args.raw_argv))
+        result = bench_a2a(args.sizes_kib or DEFAULT_SIZES_KIB, args.iters, args.warmup,
+                           args.device, args.out, args.base_links, command)
+        if result is not None:
+            f = result["fit"]
+            print(f"all-to-all, {result['meta']['world_size']} x {result['meta']['device']}: "
+                  f"latency {f['latency_us']:.2f} us, {f['GBps']:.2f} GB/s per rank; wrote "
+                  f"{args.out}/a2a.{{json,md}} and {args.out}/links.yaml")
+        return 0
+
+    a2a.set_defaults(func=_cmd_bench_a2a)
 
 
 def _add_plan_parser(sub: Any) -> None:

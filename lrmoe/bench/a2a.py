@@ -1,0 +1,217 @@
+"""``lrmoe bench a2a``: the all-to-all link of one node, measured, and the link file the
+simulator reads (configs/links/*.yaml, docs/simulation.md "Links").
+
+    torchrun --nproc-per-node N -m lrmoe bench a2a --out a2a-out
+    lrmoe sim --costs configs/costs/h200.json --links a2a-out/links.yaml \\
+        --validate bench-ep/layer_bench_ep.json
+
+Every rank sends ``S`` bytes to every rank (``torch.distributed.all_to_all_single``,
+equal splits) for each size ``S`` of a sweep; per size the median over ``--iters`` calls
+(after ``--warmup``), the maximum of the ranks' medians. The simulator charges one
+all-to-all ``latency + off-rank bytes / bandwidth`` per rank (csrc/sim/sim.cpp,
+``sums_ms``), where the off-rank bytes are the larger of what the rank sends to and
+receives from the other ranks: here ``(W - 1) S``. :func:`fit_link` fits exactly that
+line to the medians, minimising the relative residuals so that the small sizes (latency)
+weigh as much as the large ones (bandwidth).
+
+One node only: the network figures (``inter_node``) are copied from ``--base-links``
+with their sources; a world spanning nodes is refused.
+
+Legend: N sizes of the sweep, W ranks.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from lrmoe.paths import check_output
+
+#: default per-peer message sizes, KiB: 4 KiB (latency-bound) to 64 MiB (bandwidth-bound)
+DEFAULT_SIZES_KIB = (4, 16, 64, 256, 1024, 4096, 16384, 65536)
+DEFAULT_BASE_LINKS = Path(__file__).resolve().parents[2] / "configs" / "links" / "default.yaml"
+
+
+def fit_link(bytes_N: Sequence[float], ms_N: Sequence[float]) -> Tuple[float, float]:
+    """Fit ``ms = latency_us / 1e3 + bytes / (GBps * 1e6)`` to measured all-to-all times.
+
+    Weighted least squares with weights ``1 / ms^2`` (the relative residuals), solved in
+    closed form from the 2 x 2 normal equations.
+
+    Args:
+        bytes_N: off-rank bytes per rank of each measurement (> 0), N >= 2 distinct.
+        ms_N: its time in milliseconds (> 0).
+    Returns:
+        ``(latency_us, GBps)``; latency 0 when the fit's intercept is negative (the
+        smallest sizes are then bandwidth-bound too).
+    Raises:
+        ValueError: fewer than two distinct sizes, a length mismatch, a non-positive
+            value, or times that do not grow with the size (no bandwidth to fit: the
+            sweep needs larger sizes, ``--sizes-kib``).
+    """
+    if len(bytes_N) != len(ms_N):
+        raise ValueError(f"fit_link: {len(bytes_N)} sizes but {len(ms_N)} times")
+    if len(set(bytes_N)) < 2:
+        raise ValueError("fit_link: needs at least two distinct sizes (--sizes-kib)")
+    if min(bytes_N) <= 0 or min(ms_N) <= 0:
+        raise ValueError("fit_link: sizes and times must be > 0")
+    w = [1.0 / (t * t) for t in ms_N]
+    s0 = sum(w)
+    s1 = sum(wi * b for wi, b in zip(w, bytes_N))
+    s2 = sum(wi * b * b for wi, b in zip(w, bytes_N))
+    t0 = sum(wi * t for wi, t in zip(w, ms_N))
+    t1 = sum(wi * b * t for wi, b, t in zip(w, bytes_N, ms_N))
+    det = s0 * s2 - s1 * s1
+    slope = (s0 * t1 - s1 * t0) / det          # ms per byte
+    intercept = (t0 - slope * s1) / s0         # ms
+    if intercept < 0:  # through the origin: ms = slope * bytes, same weights
+        slope, intercept = t1 / s2, 0.0
+    if not slope > 0:
+        raise ValueError("fit_link: the times do not grow with the message size, so no "
+                         "bandwidth can be fitted; add larger --sizes-kib")
+    return intercept * 1e3, 1.0 / (slope * 1e6)
+
+
+def _time_one(x: torch.Tensor, out: torch.Tensor, iters: int, warmup: int, group) -> float:
+    """Median ms of ``all_to_all_single(out, x)`` on this rank, each call after a barrier
+    so that no rank's time includes waiting for a late peer."""
+    cuda = x.is_cuda
+    times: List[float] = []
+    for i in range(warmup + iters):
+        dist.barrier(group=group)
+        if cuda:
+            torch.cuda.synchronize(x.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dist.all_to_all_single(out, x, group=group)
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t = time.perf_counter()
+            dist.all_to_all_single(out, x, group=group)
+            ms = (time.perf_counter() - t) * 1e3
+        if i >= warmup:
+            times.append(ms)
+    return statistics.median(times)
+
+
+def measure(sizes_kib: Sequence[int], iters: int, warmup: int, device: torch.device,
+            group=None) -> List[Dict[str, float]]:
+    """Time the all-to-all at each per-peer size on every rank of ``group``.
+
+    Returns:
+        One record per size: ``bytes_per_peer``, ``off_rank_bytes`` ((W - 1) x
+        bytes_per_peer), ``ms`` (the maximum over ranks of their medians) and
+        ``GBps`` (off-rank bytes / ms, the effective bandwidth at that size); the same on
+        every rank.
+    """
+    world = dist.get_world_size(group)
+    out = []
+    for kib in sizes_kib:
+        per_peer = int(kib) * 1024
+        x = torch.empty(world * per_peer, dtype=torch.uint8, device=device).fill_(1)
+        y = torch.empty_like(x)
+        ms = torch.tensor([_time_one(x, y, iters, warmup, group)], dtype=torch.float64,
+                          device=device if device.type == "cuda" else "cpu")
+        dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=group)
+        off = (world - 1) * per_peer
+        out.append({"bytes_per_peer": per_peer, "off_rank_bytes": off,
+                    "ms": float(ms), "GBps": off / (float(ms) * 1e6)})
+        del x, y
+    return out
+
+
+def links_document(latency_us: float, GBps: float, gpus_per_node: int, base: Dict[str, Any],
+                   source: str) -> Dict[str, Any]:
+    """A link file (the format of configs/links/default.yaml): the measured
+    ``intra_node`` figures with ``source``, ``inter_node`` as in ``base``."""
+    return {"name": f"measured: {source.split(';')[0]} + {base.get('name', 'base')}",
+            "gpus_per_node": int(gpus_per_node),
+            "intra_node": {"GBps": round(GBps, 3), "source": source,
+                           "latency_us": round(max(latency_us, 1e-3), 3),
+                           "latency_source": source + " (intercept of the same fit)"},
+            "inter_node": dict(base["inter_node"])}
+
+
+def bench_a2a(sizes_kib: Sequence[int], iters: int, warmup: int, device_name: Optional[str],
+              out_dir: str, base_links: Optional[str], command: str) -> Optional[dict]:
+    """Measure the node's all-to-all under torchrun and write ``a2a.json``, ``a2a.md`` and
+    ``links.yaml`` into ``out_dir`` (rank 0; the other ranks return None).
+
+    Raises:
+        ValueError: not under torchrun or fewer than 2 ranks, a world spanning nodes, a
+            size below 1 KiB, ``--iters`` < 1 or ``--warmup`` < 0, an unwritable
+            ``--out``, a missing ``--base-links`` file, or a failed fit (see
+            :func:`fit_link`).
+    """
+    from lrmoe.parallel import init_torchrun_group
+
+    check_output("--out", out_dir, is_dir=True)
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {iters}, {warmup}")
+    if not sizes_kib or min(sizes_kib) < 1:
+        raise ValueError(f"--sizes-kib must be >= 1 KiB each, got {list(sizes_kib)}")
+    base_path = Path(base_links) if base_links else DEFAULT_BASE_LINKS
+    if not base_path.is_file():
+        raise FileNotFoundError(f"--base-links {base_path}: no such file (the network figures "
+                                "are taken from it)")
+    world = int(os.environ.get("WORLD_SIZE", "0") or 0)
+    if world < 2:
+        raise ValueError("bench a2a times an all-to-all between ranks: launch it with "
+                         "torchrun --nproc-per-node N (N >= 2) -m lrmoe bench a2a ...")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if local != world:
+        raise ValueError(f"bench a2a measures one node, but the world has {world} ranks and "
+                         f"{local} per node; run it on one node (--nnodes 1)")
+    use_cuda = (device_name or ("cuda" if torch.cuda.is_available() else "cpu")) != "cpu"
+    backend = init_torchrun_group(world, use_cuda, f"bench a2a ({world} ranks)", 1)
+    device = (torch.device("cuda", torch.cuda.current_device()) if use_cuda
+              else torch.device("cpu"))
+    records = measure(sizes_kib, iters, warmup, device)
+    latency_us, GBps = fit_link([r["off_rank_bytes"] for r in records],
+                                [r["ms"] for r in records])
+    for r in records:
+        r["fit_ms"] = latency_us / 1e3 + r["off_rank_bytes"] / (GBps * 1e6)
+        r["fit_err_pct"] = 100.0 * (r["fit_ms"] / r["ms"] - 1.0)
+    if dist.get_rank() != 0:
+        return None
+    name = torch.cuda.get_device_name(device) if use_cuda else "cpu"
+    date = datetime.date.today().isoformat()
+    gpus_per_node = torch.cuda.device_count() if use_cuda else local
+    source = (f"lrmoe bench a2a on {world} x {name} ({backend}), {date}; fit of "
+              f"{len(records)} sizes {min(sizes_kib)}-{max(sizes_kib)} KiB per peer; "
+              f"`{command}`")
+    doc = links_document(latency_us, GBps, gpus_per_node,
+                         yaml.safe_load(base_path.read_text()), source)
+    result = {"meta": {"device": name, "world_size": world, "backend": backend, "date": date,
+                       "command": command, "iters": iters, "warmup": warmup,
+                       "base_links": str(base_path)},
+              "fit": {"latency_us": latency_us, "GBps": GBps}, "records": records}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "a2a.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "links.yaml").write_text(yaml.safe_dump(doc, sort_keys=False, width=88))
+    (out / "a2a.md").write_text(markdown(result))
+    return result
+
+
+def markdown(result: Dict[str, Any]) -> str:
+    """The sweep and the fit as a markdown table."""
+    m, f = result["meta"], result["fit"]
+    rows = "\n".join(f"| {r['bytes_per_peer'] / 1024:g} | {r['off_rank_bytes'] / 1e6:.3f} | "
+                     f"{r['ms']:.4f} | {r['GBps']:.2f} | {r['fit_ms']:.4f} | "
+                     f"{r['fit_err_pct']:+.1f} % |" for r in result["records"])
+    return (f"All-to-all on {m['world_size']} x {m['device']} ({m['backend']}), {m['date']}: "
+            f"`{m['command']}`\n\nFit: latency {f['latency_us']:.2f} us, bandwidth "
+            f"{f['GBps']:.2f} GB/s per rank (off-rank bytes)\n\n"
+            "| KiB per peer | off-rank MB per rank | ms (max over ranks) | GB/s | fit ms | "
+            "fit error |\n|---|---|---|---|---|---|\n" + rows + "\n")
