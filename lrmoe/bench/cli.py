@@ -14,6 +14,7 @@ from lrmoe.bench.methods import EP_METHODS, METHODS
 from lrmoe.bench.report import A2A_PHASES, FAILED
 from lrmoe.bench.routing import ROUTINGS, SHAPES
 from lrmoe.offload import OFFLOAD_MODES
+from lrmoe.parallel.replicas import POLICIES
 from lrmoe.paths import check_output
 
 
@@ -50,6 +51,14 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="expert-parallel benchmark over N processes: launch with torchrun "
                         "--nproc-per-node N; experts sharded E/N per rank, --tokens per rank; "
                         "writes layer_bench_ep.{json,md}")
+    p.add_argument("--policies", nargs="+", default=None, choices=["none", *POLICIES],
+                   help="with --ep: the placement policies LRMoE runs under, each over the "
+                        "same weights (none: fixed ownership without the planner, the "
+                        "default; fixed: Megatron-style ownership through the planner; "
+                        "ultraep, symi, lrmoe: replicas, docs/planner.md); rows 'lrmoe "
+                        "POLICY c=..' with the plan's replicas and memory per rank")
+    p.add_argument("--replica-slots", type=int, default=2,
+                   help="with --policies: spare expert slots per rank (default 2)")
     p.add_argument("--offload", default="none", choices=OFFLOAD_MODES,
                    help="LRMoE layer's LRMoEConfig.offload: activations keeps the saved "
                         "expert rows in pinned host memory (report column offload H2D / "
@@ -112,6 +121,11 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
             raise ValueError(f"--device {args.device}: no CUDA device here; use --device cpu")
     if args.append_md:
         check_output("--append-md", args.append_md, is_dir=False)
+    if args.policies is not None and args.ep is None:
+        raise ValueError("--policies place experts over an expert-parallel group; add --ep "
+                         "N under torchrun --nproc-per-node N")
+    if args.replica_slots < 0:
+        raise ValueError(f"--replica-slots must be >= 0, got {args.replica_slots}")
     if args.ep is not None and args.offload != "none":
         raise ValueError("--offload is measured by the one-device benchmark; drop --ep (the "
                          "expert-parallel layer runs it too, but bench layer --ep does not "
@@ -172,7 +186,9 @@ def _run_layer_ep(args: argparse.Namespace, argv: Optional[List[str]]) -> Option
     result = bench_layer_ep(args.ep, args.shapes, args.tokens, args.routing, args.rates,
                             args.methods or list(EP_METHODS), args.device, args.dtype,
                             args.iters, args.warmup, args.rotate, args.trace, args.out,
-                            args.append_md, command)
+                            args.append_md, command,
+                            [None if p == "none" else p for p in args.policies or ["none"]],
+                            args.replica_slots)
     if result is None:  # ranks > 0
         return None
     meta = result["meta"]

@@ -141,10 +141,36 @@ def _merge_ranks(per_rank: List[dict]) -> dict:
                              for part in ("fwd", "bwd")}
     peaks = [r["peak_bytes"] for r in per_rank if r["peak_bytes"] is not None]
     rec["peak_bytes"] = max(peaks) if peaks else None
+    rec["peak_bytes_per_rank"] = [r["peak_bytes"] for r in per_rank]
+    if first.get("placement") is not None:
+        # the plan is the same on every rank; the replica bytes are each rank's own
+        rec["placement"] = dict(first["placement"])
+        for k in ("weights_fetched", "grads_reduced"):
+            rec["placement"][k] = sum(r["placement"][k] for r in per_rank)
     for key in ("num_pairs", "num_retained"):
         if first.get(key) is not None:
             rec[key] = sum(r[key] for r in per_rank)
     return rec
+
+
+def _placement(stats) -> Dict[str, object]:
+    """What the record keeps of a policy's last call
+    (:class:`lrmoe.parallel.replicas.ReplicaStats`): replicas, remote instances, the
+    verdict, rows per rank under fixed ownership / forward / backward, this rank's replica
+    bytes, and the plan's memory per rank (max over ranks of each part and of the total,
+    bytes)."""
+    mem = stats.memory_W4
+    parts = ("base_experts", "replicas", "forward_tokens", "backward_tokens")
+    return {"replicas": stats.replicas, "remote_instances": stats.remote_instances,
+            "feasible": stats.feasible, "reason": stats.reason,
+            "rows_before_W": list(stats.rows_before_W),
+            "rows_forward_W": list(stats.rows_forward_W),
+            "rows_backward_W": list(stats.rows_backward_W),
+            "weights_fetched": stats.bytes["weights_fetched"],
+            "grads_reduced": stats.bytes["grads_reduced"],
+            "memory_max_bytes": {p: max(row[i] for row in mem) for i, p in enumerate(parts)}
+            if mem else {},
+            "memory_total_max_bytes": max(sum(row) for row in mem) if mem else None}
 
 
 def _routing_loads(ids: torch.Tensor, num_experts: int, world: int) -> Dict[str, object]:
@@ -164,11 +190,13 @@ def _routing_loads(ids: torch.Tensor, num_experts: int, world: int) -> Dict[str,
 
 def run_case_ep(case: Case, rates: Sequence[float], methods: Sequence[str],
                 device: torch.device, iters: int, warmup: int, rotate: int,
-                trace: Optional[str]) -> Optional[List[dict]]:
+                trace: Optional[str], policies: Sequence[Optional[str]] = (None,),
+                replica_slots: int = 2) -> Optional[List[dict]]:
     """Time every method of one case on every rank of the default group (a collective).
 
-    ``case.tokens`` is per rank. Returns one merged record per method on rank 0, None on
-    the other ranks.
+    ``case.tokens`` is per rank; LRMoE runs under each of ``policies``
+    (:func:`lrmoe.bench.methods.build_methods`). Returns one merged record per method on
+    rank 0, None on the other ranks.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     d = case.dims
@@ -176,14 +204,15 @@ def run_case_ep(case: Case, rates: Sequence[float], methods: Sequence[str],
     inputs = make_inputs(case, device, rotate, trace, rank=rank)
     loads = _routing_loads(inputs.ids[0], d["experts"], world)
     cuda = device.type == "cuda"
-    built = build_methods(case, rates, methods, device, ep_group=dist.group.WORLD)
+    built = build_methods(case, rates, methods, device, ep_group=dist.group.WORLD,
+                          policies=policies, replica_slots=replica_slots)
     reference = (reference_outputs(built[0].reference, inputs)
-                 if any(m.method != "lrmoe" for m in built) else None)
+                 if any(m.method != "lrmoe" or m.policy is not None for m in built) else None)
     records = []
     for method in built:
         head = dict(method=method.method, rate=method.rate, label=method.label,
-                    shape=case.shape, tokens_per_rank=case.tokens, routing=case.routing,
-                    world_size=world)
+                    policy=method.policy, shape=case.shape, tokens_per_rank=case.tokens,
+                    routing=case.routing, world_size=world)
         agreement = (check_agreement(method, inputs, reference, combine=_max_over_ranks)
                      if reference is not None else None)
         if agreement is not None and not agreement["passed"]:  # the same on every rank
@@ -208,6 +237,8 @@ def run_case_ep(case: Case, rates: Sequence[float], methods: Sequence[str],
         if method.layer is not None:
             st = method.layer.stats
             mine.update(num_pairs=st.num_pairs, num_retained=st.num_retained)
+            if method.layer.core.replicas is not None:
+                mine["placement"] = _placement(method.layer.core.replicas.stats)
         every: List[Optional[dict]] = [None] * world
         dist.all_gather_object(every, mine)
         rec = _merge_ranks(every)
@@ -220,11 +251,13 @@ def run_case_ep(case: Case, rates: Sequence[float], methods: Sequence[str],
 
 def _add_ratios(records: List[dict]) -> None:
     """fwd+bwd / dropless and backward a2a bytes / LRMoE c = 0, within one case."""
-    by_kind = {(r["method"], r["rate"]): r for r in records if r.get("status") != FAILED}
-    base, c0 = by_kind.get(("dropless", None)), by_kind.get(("lrmoe", 0.0))
+    by_kind = {(r["method"], r.get("policy"), r["rate"]): r for r in records
+               if r.get("status") != FAILED}
+    base = by_kind.get(("dropless", None, None))
     for r in records:
         if r.get("status") == FAILED:
             continue
+        c0 = by_kind.get(("lrmoe", r.get("policy"), 0.0))  # the same policy at c = 0
         r["vs_dropless"] = r["fwd_bwd_ms"] / base["fwd_bwd_ms"] if base else None
         r["bwd_bytes_vs_c0"] = (r["a2a_bytes_bwd"] / c0["a2a_bytes_bwd"]
                                 if c0 and c0["a2a_bytes_bwd"] else None)
@@ -252,7 +285,9 @@ def bench_layer_ep(ep: int, shapes: Sequence[str], tokens: Sequence[int],
                    methods: Sequence[str] = EP_METHODS, device: Optional[str] = None,
                    dtype: str = "bfloat16", iters: int = 20, warmup: int = 5,
                    rotate: int = 3, trace: Optional[str] = None, out_dir: str = "bench-out",
-                   append_md: Optional[str] = None, command: str = "") -> Optional[dict]:
+                   append_md: Optional[str] = None, command: str = "",
+                   policies: Sequence[Optional[str]] = (None,), replica_slots: int = 2
+                   ) -> Optional[dict]:
     """Run the expert-parallel benchmark in a torchrun process; rank 0 writes
     ``layer_bench_ep.json`` and ``layer_bench_ep.md`` under ``out_dir`` (and appends the
     markdown to ``append_md``).
@@ -266,6 +301,9 @@ def bench_layer_ep(ep: int, shapes: Sequence[str], tokens: Sequence[int],
             :func:`lrmoe.bench.layer.bench_layer`; ``tokens``: tokens PER RANK.
         methods: ``lrmoe`` and/or ``dropless`` (``transformers`` and ``torchtitan`` have
             no EP mode here).
+        policies: placement policies LRMoE runs under (None: fixed ownership without the
+            planner); each policy's c = 0 is checked against that layer.
+        replica_slots: spare expert slots per rank for the policies.
 
     Returns:
         On rank 0 a dict with ``records`` (one per case and method; times in ms, max over
@@ -303,7 +341,7 @@ def bench_layer_ep(ep: int, shapes: Sequence[str], tokens: Sequence[int],
         records: List[dict] = []
         for case in cases(shapes, tokens, routings, torch_dtype, dev):
             records += run_case_ep(case, rates, methods, dev, iters, warmup, rotate,
-                                   trace) or []
+                                   trace, policies, replica_slots) or []
         result = None
         if dist.get_rank() == 0:
             result = dict(records=records, meta=meta)

@@ -23,9 +23,11 @@ FP32_TOL = 1e-4
 BF16_TOL = 3e-2
 
 
-def label(method: str, rate: Optional[float]) -> str:
-    """Display name of a method: ``lrmoe c=0.2`` for LRMoE at rate 0.2, else the name."""
-    return f"{method} c={rate:g}" if rate is not None else method
+def label(method: str, rate: Optional[float], policy: Optional[str] = None) -> str:
+    """Display name of a method: ``lrmoe c=0.2`` for LRMoE at rate 0.2, ``lrmoe ultraep
+    c=0.2`` under a placement policy, else the name."""
+    name = method if policy is None else f"{method} {policy}"
+    return f"{name} c={rate:g}" if rate is not None else name
 
 
 @dataclasses.dataclass(eq=False)
@@ -45,6 +47,11 @@ class Method:
             bytes sent into each all-to-all.
         module: a baseline's own module (transformers' block, torchtitan's MoE), for
             inspection; None otherwise.
+        policy: expert parallel LRMoE only: the placement policy of the layer it times
+            (``fixed``, ``ultraep``, ``symi``, ``lrmoe``); None: fixed ownership without
+            the planner.
+        timed: the layer a policy's method times (built with that policy over the same
+            seeded weights as ``reference``); None: it times ``reference``.
     """
 
     method: str
@@ -55,15 +62,20 @@ class Method:
     tolerance: float = 0.0
     a2a_source: Optional[Dict[str, int]] = None
     module: Optional[torch.nn.Module] = None
+    policy: Optional[str] = None
+    timed: Optional[LRMoELayer] = None
 
     @property
     def label(self) -> str:
-        return label(self.method, self.rate)
+        return label(self.method, self.rate, self.policy)
 
     @property
     def layer(self) -> Optional[LRMoELayer]:
-        """The LRMoE layer this method times (None for a baseline)."""
-        return self.reference if self.method == "lrmoe" else None
+        """The LRMoE layer this method times (None for a baseline): ``timed`` where it is
+        not the reference (a placement policy's layer), else the reference."""
+        if self.method != "lrmoe":
+            return None
+        return self.timed if self.timed is not None else self.reference
 
     @property
     def a2a_bytes(self) -> Dict[str, int]:

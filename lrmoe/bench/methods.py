@@ -29,6 +29,7 @@ from lrmoe.bench.method import Method, tolerance
 from lrmoe.bench.routing import SHAPES, Case, Inputs
 from lrmoe.config import LRMoEConfig
 from lrmoe.layer import LRMoELayer
+from lrmoe.parallel.replicas import Placement
 
 METHODS = ("lrmoe", "dropless", "transformers", "torchtitan")
 #: the methods that have an expert-parallel mode (``--ep``)
@@ -81,7 +82,8 @@ def layer_config(case: Case, offload: str = "none") -> LRMoEConfig:
 
 
 def build_methods(case: Case, rates: Sequence[float], methods: Sequence[str],
-                  device: torch.device, ep_group=None, offload: str = "none"
+                  device: torch.device, ep_group=None, offload: str = "none",
+                  policies: Sequence[Optional[str]] = (None,), replica_slots: int = 2
                   ) -> List[Method]:
     """All methods of one case over ONE set of weights (seeded; bf16 on GPU).
 
@@ -94,29 +96,48 @@ def build_methods(case: Case, rates: Sequence[float], methods: Sequence[str],
             on every method) and ``dropless`` becomes ``dropless_moe_ep``. A collective.
         offload: ``LRMoEConfig.offload`` of the LRMoE layer (the baselines keep their
             activations on the device).
+        policies: expert parallel only: the placement policies LRMoE runs under (each a
+            layer of its own over the same seeded weights; None: fixed ownership without
+            the planner, the layer every baseline is checked against).
+        replica_slots: spare expert slots per rank of a policy's layer
+            (:class:`lrmoe.parallel.replicas.Placement`).
 
     Returns:
-        One :class:`Method` per LRMoE rate, then dropless, transformers, torchtitan (those
-        asked for).
+        One :class:`Method` per policy and LRMoE rate, then dropless, transformers,
+        torchtitan (those asked for). A policy's method at c = 0 has the baselines'
+        tolerance: :func:`check_agreement` compares it with the layer without a policy.
 
     Raises:
         ValueError: ``transformers`` or ``torchtitan`` together with ``ep_group`` (they
-            have no expert-parallel mode).
+            have no expert-parallel mode); a policy without ``ep_group``.
     """
     no_ep = [m for m in methods if m not in EP_METHODS]
     if ep_group is not None and no_ep:
         raise ValueError(f"--methods {' '.join(no_ep)} has no expert-parallel mode; drop it "
                          "from --methods when running with --ep")
-    torch.manual_seed(0)
-    base = LRMoELayer(layer_config(case, offload), ep_group=ep_group).to(device=device,
-                                                                  dtype=case.dtype)
+    if ep_group is None and any(p is not None for p in policies):
+        raise ValueError("--policies place experts over an expert-parallel group; add --ep N "
+                         "(under torchrun --nproc-per-node N)")
+
+    def layer(policy=None) -> LRMoELayer:
+        torch.manual_seed(0)  # every layer the same weights
+        placement = None if policy is None else Placement(policy, replica_slots=replica_slots)
+        return LRMoELayer(layer_config(case, offload), ep_group=ep_group,
+                          policy=placement).to(device=device, dtype=case.dtype)
+
+    base = layer()
     out: List[Method] = []
     if "lrmoe" in methods:
-        for c in rates:
-            def run_lrmoe(x, ids, c=c):
-                base.set_recalibration(recalibration_rate=c)
-                return base(x, ids)
-            out.append(Method("lrmoe", float(c), run_lrmoe, list(base.parameters()), base))
+        for policy in policies:
+            timed = base if policy is None else layer(policy)
+            for c in rates:
+                def run_lrmoe(x, ids, c=c, timed=timed):
+                    timed.set_recalibration(recalibration_rate=c)
+                    return timed(x, ids)
+                out.append(Method("lrmoe", float(c), run_lrmoe, list(timed.parameters()),
+                                  base, tolerance=0.0 if policy is None else tolerance(
+                                      case.dtype), policy=policy,
+                                  timed=None if policy is None else timed))
     if "dropless" in methods:
         out.append(_dropless_method(base, case, ep_group))
     if "transformers" in methods:
@@ -216,7 +237,8 @@ def check_agreement(method: Method, inputs: Inputs, reference: Tuple[Tensor, Ten
     """Compare a baseline with the LRMoE layer at c = 0 on input set 0.
 
     Args:
-        method: the baseline (an ``lrmoe`` method returns None: it is the reference).
+        method: a baseline, or LRMoE under a placement policy at c = 0 (any other
+            ``lrmoe`` method returns None: it is the reference, or keeps other pairs).
         inputs: the case's inputs. reference: :func:`reference_outputs`.
         combine: expert parallel: turns this rank's [out error, dx error] into the
             maximum over ranks (a collective), so every rank takes the same decision.
@@ -225,8 +247,8 @@ def check_agreement(method: Method, inputs: Inputs, reference: Tuple[Tensor, Ten
         ``{"out_rel_err", "dx_rel_err", "tolerance", "passed"}`` (relative Frobenius
         errors of the output and of the input gradient).
     """
-    if method.method == "lrmoe":
-        return None
+    if method.method == "lrmoe" and (method.policy is None or method.rate != 0):
+        return None  # at c > 0 a policy's quotas may keep other pairs: dx differs
     out, dx = _step(method.forward, inputs)
     errs = [rel_err(out, reference[0]), rel_err(dx, reference[1])]
     if combine is not None:

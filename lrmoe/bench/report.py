@@ -18,6 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from lrmoe.parallel.replicas import max_over_mean
 from lrmoe.bench.timing import PHASES_BWD, PHASES_FWD
 
 A2A_PHASES = ("a2a_counts", "a2a_dispatch", "a2a_combine", "a2a_grad", "a2a_dx")
@@ -261,6 +262,30 @@ def markdown_ep(records: List[dict], meta: dict) -> str:
         lines.append(f"| {r['shape']} | {r['tokens_per_rank']} | {r['routing']} | "
                      f"{r['label']} | "
                      + " | ".join(f"{r['a2a_bytes'][k] / 1e6:.3f}" for k in keys) + " |")
+    placed = [r for r in timed if r.get("placement")]
+    if placed:
+        mib = 1 << 20
+        lines += ["", "Placement policies (the plan of the profiled step; memory: the plan's "
+                  "bytes per rank, max over ranks, MiB; replica MB: weights fetched for "
+                  "the forward and gradients reduced to owners, summed over ranks; rows: "
+                  "max/mean over ranks of the pairs each rank computes; peak: measured, "
+                  "max over ranks):", "",
+                  "| shape | tokens/rank | routing | method | replicas | remote | feasible | "
+                  "base experts | replicas | fwd tokens | bwd tokens | plan total | "
+                  "replica MB fetched | replica MB reduced | rows before | rows fwd | "
+                  "rows bwd | peak MiB |", "|" + "---|" * 18]
+        for r in placed:
+            p, m = r["placement"], r["placement"]["memory_max_bytes"]
+            lines.append(
+                f"| {r['shape']} | {r['tokens_per_rank']} | {r['routing']} | {r['label']} | "
+                f"{p['replicas']} | {p['remote_instances']} | {p['feasible']} | "
+                + " | ".join(f"{m.get(k, 0) / mib:.1f}" for k in (
+                    "base_experts", "replicas", "forward_tokens", "backward_tokens"))
+                + f" | {(p['memory_total_max_bytes'] or 0) / mib:.1f} | "
+                f"{p['weights_fetched'] / 1e6:.2f} | {p['grads_reduced'] / 1e6:.2f} | "
+                + " | ".join(_f(max_over_mean(p[k]), 2) for k in (
+                    "rows_before_W", "rows_forward_W", "rows_backward_W"))
+                + f" | {_f(None if r['peak_bytes'] is None else r['peak_bytes'] / mib, 0)} |")
     if meta["backend"] == "nccl":
         lines += ["", "NCCL all-to-all kernels by name (ms per rank, sum over the step's "
                   "kernels; max over ranks):", "",

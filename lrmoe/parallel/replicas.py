@@ -172,6 +172,9 @@ class ReplicaStats:
         splits: collective name -> (the input splits this rank passed, bytes per row):
             ``dispatch``, ``combine``, ``grad``, ``dx`` (token rows), ``replica_fetch``,
             ``replica_push``, ``replica_grads`` (expert copies).
+        memory_W4: the plan's bytes per rank (W rows: base experts, replicas, forward
+            token buffers, backward token buffers; :class:`lrmoe.planner.Plan`), the same
+            on every rank.
     """
 
     policy: str = ""
@@ -185,6 +188,7 @@ class ReplicaStats:
     bytes: Dict[str, int] = field(default_factory=lambda: {
         "weights_fetched": 0, "weights_pushed": 0, "grads_reduced": 0})
     splits: Dict[str, Tuple[List[int], int]] = field(default_factory=dict)
+    memory_W4: List[List[int]] = field(default_factory=list)
 
     def summary(self) -> Dict[str, object]:
         """Host numbers for metrics.jsonl: ``placement_policy``, ``replicas``,
@@ -192,16 +196,17 @@ class ReplicaStats:
         the rows per rank), ``replica_bytes_fetched`` / ``_pushed`` / ``_reduced``,
         ``plan_feasible``."""
         return {"placement_policy": self.policy, "replicas": self.replicas,
-                "rank_load_max_over_mean_before": _max_over_mean(self.rows_before_W),
-                "rank_load_max_over_mean_forward": _max_over_mean(self.rows_forward_W),
-                "rank_load_max_over_mean_backward": _max_over_mean(self.rows_backward_W),
+                "rank_load_max_over_mean_before": max_over_mean(self.rows_before_W),
+                "rank_load_max_over_mean_forward": max_over_mean(self.rows_forward_W),
+                "rank_load_max_over_mean_backward": max_over_mean(self.rows_backward_W),
                 "replica_bytes_fetched": self.bytes["weights_fetched"],
                 "replica_bytes_pushed": self.bytes["weights_pushed"],
                 "replica_bytes_reduced": self.bytes["grads_reduced"],
                 "plan_feasible": self.feasible}
 
 
-def _max_over_mean(rows: List[int]) -> Optional[float]:
+def max_over_mean(rows: List[int]) -> Optional[float]:
+    """max / mean of rows per rank (None when empty or all zero)."""
     if not rows or sum(rows) == 0:
         return None
     return max(rows) * len(rows) / sum(rows)
@@ -304,6 +309,7 @@ class ReplicaState:
         el = num_local_experts
         s.remote_instances = int((rank_I != layout.instance_expert() // el).sum())
         s.rows_before_W = plan.fixed_rows_W.tolist()
+        s.memory_W4 = plan.memory_W4.tolist()
         s.rows_forward_W = torch.zeros(world, dtype=torch.int64).index_add_(
             0, rank_I, forward_IW.sum(1)).tolist()
         s.rows_backward_W = torch.zeros(world, dtype=torch.int64).index_add_(

@@ -228,3 +228,51 @@ def test_bench_cli_rejects_bad_tokens_and_torchrun_without_ep(monkeypatch):
     with pytest.raises(ValueError, match="torchrun started 2 processes but --ep is not "
                                          "given: pass --ep 2"):
         run("--smoke", "--device", "cpu")
+
+
+# ------------------------------------------------------- (d) placement policies, W = 2
+def test_ep_policies_rows_agreement_and_plan(tmp_path):
+    """--policies: one row per policy and rate over the same weights; each policy at c = 0
+    reproduces the layer without a policy (output and input gradient); every policy's
+    plan computes each routed pair exactly once (its forward rows per rank sum to the
+    routed pairs, counted here from the documented routing), and the placement table is
+    written."""
+    world, tokens = 2, 256
+    r = _torchrun(["--ep", "2", "--smoke", "--device", "cpu", "--routing", "skewed",
+                   "--rates", "0", "0.3", "--methods", "lrmoe", "--policies", "none",
+                   "fixed", "ultraep", "lrmoe", "--iters", "1", "--warmup", "0",
+                   "--out", str(tmp_path / "o")], tmp_path, nproc=world, timeout=240,
+                  subcommand=("bench", "layer"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    data = json.loads((tmp_path / "o" / "layer_bench_ep.json").read_text())
+    assert [x["label"] for x in data["records"]] == [
+        "lrmoe c=0", "lrmoe c=0.3", "lrmoe fixed c=0", "lrmoe fixed c=0.3",
+        "lrmoe ultraep c=0", "lrmoe ultraep c=0.3", "lrmoe lrmoe c=0", "lrmoe lrmoe c=0.3"]
+    d = SHAPES["smoke"]
+    pairs = sum(make_routing("skewed", tokens, d["experts"], d["top_k"], seed=1000 * rank)
+                .numel() for rank in range(world))
+    for rec in data["records"]:
+        if rec["policy"] is None:
+            assert "placement" not in rec and rec["agreement"] is None
+            continue
+        p = rec["placement"]
+        assert sum(p["rows_forward_W"]) == sum(p["rows_before_W"]) == pairs, rec["label"]
+        assert sum(p["rows_backward_W"]) == rec["num_retained"], rec["label"]
+        assert set(p["memory_max_bytes"]) == {"base_experts", "replicas", "forward_tokens",
+                                              "backward_tokens"}
+        assert p["memory_total_max_bytes"] >= p["memory_max_bytes"]["base_experts"] > 0
+        if rec["rate"] == 0:
+            assert rec["agreement"]["passed"], rec
+        else:
+            assert rec["agreement"] is None
+    by = {x["label"]: x for x in data["records"]}
+    assert by["lrmoe fixed c=0"]["placement"]["replicas"] == 0  # ownership: no copies
+    assert by["lrmoe ultraep c=0.3"]["bwd_bytes_vs_c0"] == pytest.approx(
+        by["lrmoe ultraep c=0.3"]["a2a_bytes_bwd"] / by["lrmoe ultraep c=0"]["a2a_bytes_bwd"])
+    assert "Placement policies" in (tmp_path / "o" / "layer_bench_ep.md").read_text()
+
+
+def test_policies_without_ep_are_refused(tmp_path):
+    r = _torchrun(["--smoke", "--device", "cpu", "--policies", "ultraep", "--out",
+                   str(tmp_path / "o")], tmp_path, nproc=0, subcommand=("bench", "layer"))
+    assert r.returncode == 2 and "--policies place experts" in r.stderr, r.stderr[-2000:]
