@@ -211,7 +211,12 @@ def _check_case(rank, world, policy, mode, c, seen):
     es = slice(rank * el, (rank + 1) * el)
 
     torch.testing.assert_close(o, o_plain, rtol=1e-12, atol=1e-12, msg=what)
-    torch.testing.assert_close(o, o_ref[sl], rtol=1e-12, atol=1e-12, msg=what)
+    # the single process routes all tokens in one fp32 batch: its routing weights may
+    # differ from this rank's by an fp32 rounding (relative 1.2e-7 seen) where the CPU's
+    # GEMM kernel depends on the batch size, so comparisons with it use the fp32 router's
+    # tolerance of the c > 0 check below; a wrong pair moves a value far more
+    torch.testing.assert_close(o, o_ref[sl], rtol=1e-6, atol=1e-6 * max(1.0, float(
+        o_ref.abs().max())), msg=what)
     g_gate = placed.gate.weight.grad.clone()
     dist.all_reduce(g_gate)
     torch.testing.assert_close(g_gate, ref.gate.weight.grad, rtol=1e-5, atol=1e-7,
@@ -222,12 +227,15 @@ def _check_case(rank, world, policy, mode, c, seen):
         assert torch.equal(o, o_plain) and torch.equal(dx, dx_plain), what
         assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads)), what
     if c == 0:
-        torch.testing.assert_close(dx, dx_ref[sl], rtol=1e-10, atol=1e-12, msg=what)
+        # against the single process: its fp32 routing weights (above)
+        torch.testing.assert_close(dx, dx_ref[sl], rtol=1e-6, atol=1e-6 * max(1.0, float(
+            dx_ref.abs().max())), msg=what)
         for got, want, alone in zip(grads, (ref.experts.gate_up_proj.grad[es],
                                             ref.experts.down_proj.grad[es]), plain_grads):
             # replica partials summed into the owner: fp64 summation order only
             torch.testing.assert_close(got, alone, rtol=1e-10, atol=1e-12, msg=what)
-            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=what)
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * max(1.0, float(
+                want.abs().max())), msg=what)
 
     # the plan, independently: same counts, same settings
     plan_ = planner_plan(counts, policy, _memory(budget), recalibration_rate=c)
