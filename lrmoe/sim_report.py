@@ -17,18 +17,18 @@ baselines run at c = 0, lrmoe at ``--rate``.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import numpy as np
 
 from lrmoe import sim as S
 from lrmoe.paths import check_output
-from lrmoe.planner import DEFAULT_BALANCE_SLACK, GiB, MODEL_SHAPES, POLICIES, ModelShape
+from lrmoe.sim_validate import SHAPES, validate
+from lrmoe.planner import DEFAULT_BALANCE_SLACK, GiB, POLICIES
 
 LABELS = {"fixed": "Megatron-LM (fixed)", "ultraep": "UltraEP", "symi": "SYMI",
           "lrmoe": "LRMoE"}
@@ -38,8 +38,6 @@ PAPER = {"fig7_GiB": {"fixed": 12.88, "ultraep": 8.03, "symi": 12.88, "lrmoe": 5
          "fig8_bwd_ms": {"fixed": 29.64, "lrmoe": 12.69},
          "fig6_at_20x": {"lrmoe": 1.0, "ultraep": 0.584, "symi": 0.449, "fixed": 0.400},
          "fig6_balanced_boundary": 16}
-SHAPES: Dict[str, ModelShape] = dict(MODEL_SHAPES)
-SHAPES["gpu-small"] = ModelShape("gpu-small", 768, 256, 128, 8, 8)
 
 
 def add_sim_arguments(p) -> None:
@@ -81,8 +79,10 @@ def add_sim_arguments(p) -> None:
     p.add_argument("--scale", nargs="*", type=int, default=[],
                    help="cluster sizes for cost per token vs W (e.g. 64 128 256 512 1024)")
     p.add_argument("--validate", default=None, metavar="LAYER_BENCH.json",
-                   help="also compare the one-GPU simulation with `lrmoe bench layer` "
-                        "results (fwd/bwd per shape, tokens and c; target within 10 %%)")
+                   help="also compare the simulation with `lrmoe bench layer` results: "
+                        "layer_bench.json at W = 1 (fwd/bwd per shape, tokens and c; target "
+                        "within 10 %%) or layer_bench_ep.json at its W and policies (fwd, "
+                        "bwd and each all-to-all; target within 15 %%)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="sim-out", help="folder for sim.json and the PNGs")
@@ -298,53 +298,6 @@ def scale(args, shape, costs, links, layers) -> dict:
     return out
 
 
-def validate(bench_json: str, costs_file: str, links: S.Links) -> List[dict]:
-    """One GPU, simulated vs measured: every ``lrmoe`` record of a ``lrmoe bench layer``
-    JSON whose shape the cost file calibrates, simulated at W = 1 with its tokens and c
-    on the bench's own routing (:func:`bench_loads`: the per-expert loads decide the
-    grouped GEMMs' time, ``GemmTable::ms_instances``). Returns rows with both times and
-    the relative errors."""
-    records = json.loads(Path(bench_json).read_text())["records"]
-    rows = []
-    cache: Dict[str, S.Costs] = {}
-    for r in records:
-        if r.get("method") != "lrmoe" or r.get("fwd_ms") is None or r["shape"] not in SHAPES:
-            continue
-        try:
-            costs = cache.setdefault(r["shape"], S.Costs.from_file(costs_file, r["shape"]))
-        except ValueError:
-            continue
-        shape = SHAPES[r["shape"]]
-        load = bench_loads(r["routing"], r["tokens"], shape.num_experts, shape.top_k)
-        mem = S.memory_model(shape, 1 << 50, 0)
-        # the one-device layer has no all-to-all (the EP path's self-copy is not charged)
-        res = S.simulate(load, "lrmoe", mem, dataclasses.replace(costs, copy_GBps=0.0), links,
-                         shape.hidden_size,
-                         float(r["rate"] or 0.0), replica_slots=0, threads=1)
-        # the bench's median runs over its rotated inputs: the mean of their layers
-        f, b = float(np.mean(res["fwd_ms"])), float(np.mean(res["bwd_ms"]))
-        rows.append(dict(shape=r["shape"], tokens=r["tokens"], routing=r["routing"],
-                         rate=r["rate"], bench_fwd_ms=r["fwd_ms"], sim_fwd_ms=f,
-                         bench_bwd_ms=r["bwd_ms"], sim_bwd_ms=b,
-                         fwd_rel_err=f / r["fwd_ms"] - 1, bwd_rel_err=b / r["bwd_ms"] - 1))
-    return rows
-
-
-def bench_loads(routing: str, tokens: int, experts: int, top_k: int,
-                rotate: int = 3) -> np.ndarray:
-    """(rotate, 1, 1, E) int64 per-expert loads of ``lrmoe bench layer``'s input sets
-    (its routing and seeds, :func:`lrmoe.bench.routing.make_routing`, rank 0; ``rotate``
-    its default). A ``trace`` routing needs the trace file: the pairs spread evenly."""
-    if routing not in ("uniform", "skewed"):
-        load = np.full((1, 1, 1, experts), tokens * top_k // experts, np.int64)
-        load[..., : tokens * top_k % experts] += 1
-        return load
-    from lrmoe.bench.routing import make_routing
-    return np.stack([np.bincount(make_routing(routing, tokens, experts, top_k, s)
-                                 .reshape(-1).numpy(), minlength=experts)
-                     for s in range(rotate)]).astype(np.int64).reshape(rotate, 1, 1, experts)
-
-
 # ------------------------------------------------------------------------------ plots
 def plot_all(out: dict, d: Path) -> None:
     """fig7_memory.png, fig8_latency.png, fig6_pressure.png, scale.png (where run)."""
@@ -429,9 +382,14 @@ def print_summary(out: dict) -> None:
               f"memory {v['memory_peak'] / GiB:.2f} GiB, feasible {v['feasible']:.0%}"
               + (f" ({v['reason'][:80]})" if v["feasible"] < 1 else ""))
     for v in out.get("validation", []):
-        print(f"  validate {v['shape']} T={v['tokens']} {v['routing']} c={v['rate']}: fwd "
+        where = (f"EP{v['world']} {v['policy'] or 'no policy'} T={v['tokens_per_rank']}/rank"
+                 if "world" in v else f"T={v['tokens']}")
+        print(f"  validate {v['shape']} {where} {v['routing']} c={v['rate']}: fwd "
               f"{v['sim_fwd_ms']:.2f} vs {v['bench_fwd_ms']:.2f} ({v['fwd_rel_err']:+.1%}), bwd "
-              f"{v['sim_bwd_ms']:.2f} vs {v['bench_bwd_ms']:.2f} ({v['bwd_rel_err']:+.1%})")
+              f"{v['sim_bwd_ms']:.2f} vs {v['bench_bwd_ms']:.2f} ({v['bwd_rel_err']:+.1%})"
+              + "".join(f", {k} {v['sim_' + k + '_ms']:.2f} vs {v['bench_' + k + '_ms']:.2f}"
+                        for k in ("dispatch", "combine", "grad_a2a", "dx_a2a")
+                        if v.get("bench_" + k + "_ms") is not None))
     for row in out.get("table1", []):
         print("  table1 loss {target_loss}: ".format(**row) + ", ".join(
             f"{LABELS[p]} {row[p]:.2f} min" if row.get(p) is not None else f"{LABELS[p]} -"

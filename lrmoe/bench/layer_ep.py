@@ -334,6 +334,7 @@ def bench_layer_ep(ep: int, shapes: Sequence[str], tokens: Sequence[int],
         dev = (torch.device("cuda", torch.cuda.current_device()) if use_cuda
                else torch.device("cpu"))
         meta = _meta(command, dev, iters, warmup, rotate)
+        meta["replica_slots"] = replica_slots  # what lrmoe sim --validate plans with
         # the profiler's first start takes long (hundreds of ms on some ranks): pay it
         # here, so the barrier before each profiled step lines the ranks up
         with profiled(dev):

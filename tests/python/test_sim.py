@@ -289,3 +289,57 @@ def test_validate_simulates_the_benchs_own_uneven_routing(tmp_path):
     assert row["sim_fwd_ms"] == pytest.approx(want, rel=1e-9)
     even = curve(tokens * K / E, 3.0, 6.0)  # the old model: rows spread evenly
     assert row["sim_fwd_ms"] > even * 1.05  # a skewed load costs more than its mean
+
+
+def test_validate_ep_simulates_every_ranks_routing_and_its_policy(tmp_path):
+    """An expert-parallel bench file (W = 2): each record is simulated at W = 2 on every
+    rank's own routing (set s of rank r: seed s + 1000 r, counted here with bincount).
+    With the hand cost file (copy bandwidth 0: a rank's rows to itself are free) the
+    fixed-ownership dispatch of a set (the record without a policy) is, by the link model of docs/simulation.md,
+    latency + max over ranks of max(rows out, rows in) x H x 2 bytes / bandwidth,
+    computed here from the counts; the errors are simulated / measured - 1."""
+    from lrmoe import sim_validate as V
+    from lrmoe.bench.routing import make_routing
+    costs = _hand_cost_file(tmp_path / "c.json")
+    T, E, K, H, W = 2048, 128, 8, 768, 2
+    recs = [dict(method="lrmoe", policy=pol, rate=c, shape="gpu-small", tokens_per_rank=T,
+                 routing="skewed", world_size=W, fwd_ms=2.0, bwd_ms=4.0,
+                 phases_ms={"a2a_dispatch": 0.5, "a2a_combine": 0.5, "a2a_grad": 0.25,
+                            "a2a_dx": 0.25})
+            for pol in (None, "ultraep") for c in (0.0, 0.3)]
+    recs.append(dict(method="dropless", rate=None, shape="gpu-small", world_size=W,
+                     fwd_ms=1.0, bwd_ms=1.0))
+    bench = tmp_path / "ep.json"
+    bench.write_text(json.dumps({"records": recs, "meta": {"replica_slots": 2}}))
+    links = V.S.Links.from_file()
+    rows = V.validate(str(bench), str(costs), links)
+    # ultraep at c = 0.3 (a baseline placement with LRMoE's quotas) is not modelled
+    assert [(r["policy"], r["rate"]) for r in rows] == [(None, 0.0), (None, 0.3),
+                                                      ("ultraep", 0.0)]
+    loads = V.bench_loads("skewed", T, E, K, ranks=W)
+    for s in range(3):
+        for r in range(W):
+            want = torch.bincount(make_routing("skewed", T, E, K, s + 1000 * r).reshape(-1),
+                                  minlength=E)
+            assert loads[s, 0, r].tolist() == want.tolist()
+    owner = np.arange(E) // (E // W)
+    dispatch = []
+    for s in range(3):
+        out = [int(loads[s, 0, r][owner != r].sum()) for r in range(W)]
+        inn = [int(sum(loads[s, 0, q][owner == r].sum() for q in range(W) if q != r))
+               for r in range(W)]
+        worst = max(max(o, i) for o, i in zip(out, inn))
+        dispatch.append(links.intra_latency_us * 1e-3 + worst * H * 2 / (links.intra_GBps * 1e6))
+    fixed = rows[0]
+    assert fixed["sim_dispatch_ms"] == pytest.approx(np.mean(dispatch), rel=1e-9)
+    assert fixed["dispatch_rel_err"] == pytest.approx(fixed["sim_dispatch_ms"] / 0.5 - 1)
+    assert fixed["fwd_rel_err"] == pytest.approx(fixed["sim_fwd_ms"] / 2.0 - 1)
+    for r in rows:
+        assert all(np.isfinite(r[f"sim_{k}"]) and r[f"sim_{k}"] > 0 for k in (
+            "fwd_ms", "bwd_ms", "dispatch_ms", "combine_ms", "grad_a2a_ms", "dx_a2a_ms"))
+    # c = 0.3 keeps fewer gradient rows: a smaller backward all-to-all, same forward
+    assert rows[1]["sim_grad_a2a_ms"] < rows[0]["sim_grad_a2a_ms"]
+    assert rows[1]["sim_dispatch_ms"] == rows[0]["sim_dispatch_ms"]
+    with pytest.raises(ValueError, match="not an lrmoe bench layer result"):
+        (tmp_path / "x.json").write_text("[]")
+        V.validate(str(tmp_path / "x.json"), str(costs), links)
