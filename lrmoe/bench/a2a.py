@@ -173,16 +173,24 @@ def bench_a2a(sizes_kib: Sequence[int], iters: int, warmup: int, device_name: Op
         raise ValueError(f"bench a2a measures one node, but the world has {world} ranks and "
                          f"{local} per node; run it on one node (--nnodes 1)")
     use_cuda = (device_name or ("cuda" if torch.cuda.is_available() else "cpu")) != "cpu"
+    created = not dist.is_initialized()
     backend = init_torchrun_group(world, use_cuda, f"bench a2a ({world} ranks)", 1)
-    device = (torch.device("cuda", torch.cuda.current_device()) if use_cuda
-              else torch.device("cpu"))
-    records = measure(sizes_kib, iters, warmup, device)
+    try:
+        device = (torch.device("cuda", torch.cuda.current_device()) if use_cuda
+                  else torch.device("cpu"))
+        records = measure(sizes_kib, iters, warmup, device)
+        dist.barrier()  # leave together: no rank tears the group down under another's feet
+    finally:
+        # a group left to the interpreter's exit aborts gloo's threads (SIGABRT)
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+    # every rank has the same records (max over ranks): the fit is the same everywhere
     latency_us, GBps = fit_link([r["off_rank_bytes"] for r in records],
                                 [r["ms"] for r in records])
     for r in records:
         r["fit_ms"] = latency_us / 1e3 + r["off_rank_bytes"] / (GBps * 1e6)
         r["fit_err_pct"] = 100.0 * (r["fit_ms"] / r["ms"] - 1.0)
-    if dist.get_rank() != 0:
+    if int(os.environ.get("RANK", "0")) != 0:
         return None
     name = torch.cuda.get_device_name(device) if use_cuda else "cpu"
     date = datetime.date.today().isoformat()
