@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import sys
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
@@ -45,6 +46,8 @@ import grid as _grid
 import plots
 import recipe
 from grid import Cell
+# what lrmoe train accepts for each field of a setting, from the library itself
+from lrmoe.ops import METRICS, QUOTA_RULES, SELECTIONS
 
 RECIPE = "sft"
 #: Records which base the fine-tunes of a grid directory were started from.
@@ -62,12 +65,6 @@ def base_cell(args) -> Cell:
 def base_checkpoint(out: Path, args) -> Path:
     """The base's checkpoint at ``--pretrain-steps`` (it need not exist yet)."""
     return out / base_cell(args).name / "checkpoints" / f"step-{args.pretrain_steps:08d}"
-
-
-#: What ``lrmoe train`` accepts for each field of a setting (lrmoe/ops.py).
-METRICS = ("lrm", "grad_sq", "grad_abs", "random")
-SELECTIONS = ("topk", "importance")
-QUOTA_RULES = ("proportional", "water_level")
 
 
 def parse_settings(items: Sequence[str], flag: str = "--settings"
@@ -164,6 +161,8 @@ def check_base(out: Path, checkpoint: Path, cells: Sequence[Cell]) -> None:
         return
     before = json.loads(path.read_text()).get("checkpoint")
     started = [c.name for c in cells if (out / c.name).exists()]
+    if not before:  # a base.json without its checkpoint records nothing to compare
+        return
     # the base always lives in --out, so its cell and step name it whatever the working
     # folder was when base.json was written (an --out given relative, then absolute)
     if Path(before).parts[-3:] != checkpoint.parts[-3:] and started:
@@ -173,6 +172,9 @@ def check_base(out: Path, checkpoint: Path, cells: Sequence[Cell]) -> None:
 
 
 def analyse(records, out: Path, args) -> str:
+    """The report of a finished (or partly finished) grid: the dPPL table per setting and
+    rate with the dropped share, ``sft_dppl.png`` and one curve plot per setting; returns
+    the markdown written to ``report.md``."""
     rows = analysis.dppl_table(records, ["setting", "rate"],
                                lambda r: r["labels"]["rate"] == 0, args.last_evals)
     for row in rows:
@@ -189,7 +191,7 @@ def analyse(records, out: Path, args) -> str:
     zero = [r for r in records if r["labels"]["rate"] == 0]
     for setting in dict.fromkeys(r["labels"]["setting"] for r in records
                                  if r["labels"]["rate"] != 0):
-        name = f"sft_curves_{setting.replace(' ', '-')}.png"
+        name = "sft_curves_" + re.sub(r"[^A-Za-z0-9_.-]+", "-", setting).strip("-") + ".png"
         plots.curves(zero + [r for r in records if r["labels"]["setting"] == setting],
                      "rate", out / name, label=lambda c: f"c={c:g}",
                      title=f"{args.preset} SFT: validation perplexity ({setting})")
@@ -246,8 +248,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name in ("pretrain_steps", "sft_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if any(c <= 0 for c in args.rates):
-        p.error("--rates are the dropping rates to compare (> 0); c = 0 always runs")
+    if any(not 0 < c < 1 for c in args.rates):
+        p.error("--rates are the dropping rates to compare in (0, 1); c = 0 always runs")
     if not all(0 < t <= 1 for t in args.targets):
         p.error(f"--targets must lie in (0, 1], got {args.targets}")
     if not 0 < args.cap < 1:
@@ -257,6 +259,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parse_settings(args.adaptive_settings, "--adaptive-settings")
     except ValueError as e:
         p.error(str(e))
+    names = [c.name for c in sft_cells(args)]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # before the base pre-trains, not when the grid starts after it
+        p.error(f"the same fine-tune is asked for twice ({', '.join(twice[:3])}): a setting, "
+                "rate or target repeats (lrm:topk and lrm:topk:proportional are the same); "
+                "list each once")
     # analysing finished runs reads only their metrics (a clone re-makes the tables of
     # experiments/results/ without the fine-tuning data)
     if not args.analyse_only and not Path(args.sft_data).is_file():

@@ -1,5 +1,6 @@
 """The ``lrmoe`` command line: ``lrmoe train ...``, ``lrmoe plan ...``, ``lrmoe data
-wordnet-alpaca ...``, and ``lrmoe bench layer ...`` where :mod:`lrmoe.bench` is installed
+wordnet-alpaca ...``, ``lrmoe sim ...``, ``lrmoe calibrate ...``, and ``lrmoe bench
+layer|a2a ...`` where :mod:`lrmoe.bench` is installed
 (more subcommands go into :func:`build_parser`).
 
 Exit status: 0 on success, 2 on a usage or config error (the message names the setting),
@@ -99,14 +100,15 @@ def _add_train_parser(sub: Any) -> None:
 
 
 def _add_bench_parser(sub: Any) -> None:
-    """``lrmoe bench layer ...`` when :mod:`lrmoe.bench` is present."""
+    """``lrmoe bench layer ...`` and ``lrmoe bench a2a ...`` when :mod:`lrmoe.bench` is
+    present."""
     try:
         from lrmoe.bench.cli import add_layer_arguments, run_layer
     except ModuleNotFoundError as exc:
         if (exc.name or "").startswith("lrmoe.bench"):
             return
         raise
-    p = sub.add_parser("bench", help="benchmarks (lrmoe bench layer --help)")
+    p = sub.add_parser("bench", help="benchmarks (lrmoe bench layer|a2a --help)")
     benches = p.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     benches.required = True
     layer = benches.add_parser(
@@ -134,8 +136,9 @@ def _add_bench_parser(sub: Any) -> None:
                           "4096 16384 65536)")
     a2a.add_argument("--iters", type=int, default=20, help="timed calls per size (median)")
     a2a.add_argument("--warmup", type=int, default=5, help="untimed calls per size first")
-    a2a.add_argument("--device", default=None,
-                     help="cuda (NCCL) or cpu (gloo) (default: cuda if present)")
+    a2a.add_argument("--device", default=None, choices=("cuda", "cpu"),
+                     help="cuda (NCCL, each rank its cuda:LOCAL_RANK) or cpu (gloo) "
+                          "(default: cuda if present)")
     a2a.add_argument("--base-links", default=None, metavar="FILE.yaml",
                      help="link file whose inter-node figures the result keeps (default: "
                           "configs/links/default.yaml)")

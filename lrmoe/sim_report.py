@@ -27,7 +27,7 @@ import numpy as np
 
 from lrmoe import sim as S
 from lrmoe.paths import check_output
-from lrmoe.sim_validate import SHAPES, validate
+from lrmoe.sim_validate import SHAPES, read_bench, validate
 from lrmoe.planner import DEFAULT_BALANCE_SLACK, GiB, POLICIES
 
 LABELS = {"fixed": "Megatron-LM (fixed)", "ultraep": "UltraEP", "symi": "SYMI",
@@ -138,8 +138,9 @@ def run_sim(args) -> dict:
             raise ValueError(f"--scale {w}: a cluster size must divide E={e} or be a "
                              f"multiple of it (e.g. --scale 64 128 256 512 1024)")
     # inputs read only after the simulation, and the output, are checked before it
-    for flag, f in (("--trace", args.trace), ("--results", args.results),
-                    ("--validate", args.validate)):
+    if args.validate is not None:
+        read_bench(args.validate)  # its structure, before the simulation runs
+    for flag, f in (("--trace", args.trace), ("--results", args.results)):
         if f is not None and not Path(f).is_file():
             raise FileNotFoundError(f"{flag} {f}: no such file")
         if f is not None and flag != "--trace":

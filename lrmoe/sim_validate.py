@@ -65,9 +65,11 @@ def validate_one(records: List[dict], costs_file: str, links: S.Links) -> List[d
     """One GPU, simulated vs measured: every ``lrmoe`` record whose shape the cost file
     calibrates, simulated at W = 1 with its tokens and c on the bench's own routing (the
     per-expert loads decide the grouped GEMMs' time, ``GemmTable::ms_instances``).
-    Returns rows with both times and the relative errors."""
+    Returns rows with both times and the relative errors; other methods and shapes the
+    cost file lacks are skipped (:func:`validate` refuses a file where nothing is left)."""
     rows = []
     cache: Dict[str, S.Costs] = {}
+    rotate = 3  # the one-device bench's default; its records do not carry it
     for r in records:
         if r.get("method") != "lrmoe" or r.get("fwd_ms") is None or r["shape"] not in SHAPES:
             continue
@@ -75,7 +77,7 @@ def validate_one(records: List[dict], costs_file: str, links: S.Links) -> List[d
         if costs is None:
             continue
         shape = SHAPES[r["shape"]]
-        load = bench_loads(r["routing"], r["tokens"], shape.num_experts, shape.top_k)
+        load = bench_loads(r["routing"], r["tokens"], shape.num_experts, shape.top_k, rotate)
         mem = S.memory_model(shape, 1 << 50, 0)
         # the one-device layer has no all-to-all (the EP path's self-copy is not charged)
         res = S.simulate(load, "lrmoe", mem, dataclasses.replace(costs, copy_GBps=0.0), links,
@@ -102,7 +104,8 @@ def validate_ep(result: dict, costs_file: str, links: S.Links) -> List[dict]:
       * under ``fixed``, ``ultraep``, ``symi``: that policy at c = 0 only. At c > 0 the
         runtime runs the baseline's placement with the layer's quotas, which the
         simulator does not model (its baselines keep every pair, csrc/planner/plan.h),
-        so those records are left out.
+        so those records are left out, as are other methods and shapes the cost file
+        lacks (:func:`validate` refuses a file where nothing is left).
 
     Returns:
         Rows: shape, world, tokens per rank, routing, policy, rate; ``bench_*`` and
@@ -110,7 +113,7 @@ def validate_ep(result: dict, costs_file: str, links: S.Links) -> List[dict]:
         (the bench's: its profiled step's range, max over ranks), and ``*_rel_err``.
     """
     meta = result.get("meta", {})
-    slots = int(meta.get("replica_slots", 2))
+    slots, rotate = int(meta.get("replica_slots", 2)), int(meta.get("rotate", 3))
     rows = []
     cache: Dict[str, S.Costs] = {}
     for r in result["records"]:
@@ -122,7 +125,7 @@ def validate_ep(result: dict, costs_file: str, links: S.Links) -> List[dict]:
             continue
         shape, world = SHAPES[r["shape"]], int(r["world_size"])
         load = bench_loads(r["routing"], r["tokens_per_rank"], shape.num_experts,
-                           shape.top_k, ranks=world)
+                           shape.top_k, rotate=rotate, ranks=world)
         policy, rate = r.get("policy"), float(r["rate"] or 0.0)
         if policy not in (None, "lrmoe") and rate > 0:
             continue  # a baseline placement with LRMoE's quotas: not modelled
@@ -136,7 +139,9 @@ def validate_ep(result: dict, costs_file: str, links: S.Links) -> List[dict]:
         measured = {"fwd_ms": r["fwd_ms"], "bwd_ms": r["bwd_ms"],
                     **{k: r.get("phases_ms", {}).get(v) for k, v in A2A_FIELDS.items()}}
         for key, bench in measured.items():
-            sim = float(np.mean(res[key]))
+            # fwd/bwd: the median over the rotated sets; the all-to-alls: the profiled
+            # step, input set 0 (lrmoe/bench/timing.py profile_step)
+            sim = float(np.mean(res[key]) if key in ("fwd_ms", "bwd_ms") else res[key][0])
             row[f"bench_{key}"], row[f"sim_{key}"] = bench, sim
             row[f"{key[:-3]}_rel_err"] = sim / bench - 1 if bench else None
         rows.append(row)
@@ -149,16 +154,44 @@ def validate(bench_json: str, costs_file: str, links: S.Links) -> List[dict]:
     :func:`validate_one`.
 
     Raises:
-        FileNotFoundError: no file. ValueError: not a bench result (no ``records``).
+        FileNotFoundError: no file. ValueError: not a bench result (:func:`read_bench`),
+            or no record the simulator can compare (none of LRMoE, at a shape the cost
+            file calibrates; the message names the shapes).
+    """
+    data = read_bench(bench_json)
+    ep = any("world_size" in r for r in data["records"])
+    rows = (validate_ep(data, costs_file, links) if ep
+            else validate_one(data["records"], costs_file, links))
+    if not rows:
+        shapes = sorted({str(r.get("shape")) for r in data["records"]})
+        raise ValueError(f"--validate {bench_json}: no LRMoE record at a shape that "
+                         f"{costs_file} calibrates and the simulator models (shapes in the "
+                         f"file: {', '.join(shapes)}; simulated: {', '.join(sorted(SHAPES))})")
+    return rows
+
+
+def read_bench(bench_json: str) -> dict:
+    """The JSON of ``lrmoe bench layer`` (one device or ``--ep``), checked before any
+    simulation runs.
+
+    Raises:
+        FileNotFoundError: no file. ValueError: not JSON, or not a bench result (a dict
+            whose ``records`` list holds records with a ``method``; an ``lrmoe bench
+            a2a`` file is refused by name).
     """
     path = Path(bench_json)
     if not path.is_file():
         raise FileNotFoundError(f"--validate {bench_json}: no such file (a layer_bench.json "
                                 "or layer_bench_ep.json of lrmoe bench layer)")
-    data = json.loads(path.read_text())
-    if not isinstance(data, dict) or "records" not in data:
-        raise ValueError(f"--validate {bench_json}: not an lrmoe bench layer result (no "
-                         "'records')")
-    if any("world_size" in r for r in data["records"]):
-        return validate_ep(data, costs_file, links)
-    return validate_one(data["records"], costs_file, links)
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"--validate {bench_json}: not a JSON file ({err})") from None
+    records = data.get("records") if isinstance(data, dict) else None
+    if not isinstance(records, list) or not all(isinstance(r, dict) and "method" in r
+                                                for r in records):
+        kind = (" (it is an lrmoe bench a2a result: give it to --links as links.yaml)"
+                if isinstance(data, dict) and "fit" in data else "")
+        raise ValueError(f"--validate {bench_json}: not an lrmoe bench layer result{kind}; "
+                         "give layer_bench.json or layer_bench_ep.json")
+    return data

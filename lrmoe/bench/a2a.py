@@ -106,7 +106,14 @@ def _time_one(x: torch.Tensor, out: torch.Tensor, iters: int, warmup: int, group
 
 def measure(sizes_kib: Sequence[int], iters: int, warmup: int, device: torch.device,
             group=None) -> List[Dict[str, float]]:
-    """Time the all-to-all at each per-peer size on every rank of ``group``.
+    """Time the all-to-all at each per-peer size on every rank of ``group`` (a collective:
+    every rank calls it with the same arguments).
+
+    Args:
+        sizes_kib: bytes each rank sends each peer, in KiB (uint8 buffers of W x size).
+        iters, warmup: timed and untimed calls per size (median of the timed).
+        device: the rank's device (CUDA for NCCL, the CPU for gloo).
+        group: the process group (None: the default group).
 
     Returns:
         One record per size: ``bytes_per_peer``, ``off_rank_bytes`` ((W - 1) x
@@ -133,7 +140,14 @@ def measure(sizes_kib: Sequence[int], iters: int, warmup: int, device: torch.dev
 def links_document(latency_us: float, GBps: float, gpus_per_node: int, base: Dict[str, Any],
                    source: str) -> Dict[str, Any]:
     """A link file (the format of configs/links/default.yaml): the measured
-    ``intra_node`` figures with ``source``, ``inter_node`` as in ``base``."""
+    ``intra_node`` figures with ``source``, ``inter_node`` as in ``base``.
+
+    Args:
+        latency_us: microseconds per all-to-all (written as at least 0.001: the link
+            file needs it > 0). GBps: 1e9 bytes per second per rank.
+        gpus_per_node: the node's GPUs. base: a parsed link file (its ``inter_node``
+            mapping is copied). source: where the figures come from (the command).
+    """
     return {"name": f"measured: {source.split(';')[0]} + {base.get('name', 'base')}",
             "gpus_per_node": int(gpus_per_node),
             "intra_node": {"GBps": round(GBps, 3), "source": source,
@@ -142,16 +156,48 @@ def links_document(latency_us: float, GBps: float, gpus_per_node: int, base: Dic
             "inter_node": dict(base["inter_node"])}
 
 
+def read_base_links(path: Path) -> Dict[str, Any]:
+    """The link file whose network figures the result keeps, parsed.
+
+    Raises:
+        ValueError: not YAML, or without ``inter_node`` ``GBps`` and ``latency_us`` > 0
+            (what ``lrmoe.sim.Links.from_file`` needs of it), naming the file.
+    """
+    try:
+        base = yaml.safe_load(path.read_text())
+        ok = all(float(base["inter_node"][k]) > 0 for k in ("GBps", "latency_us"))
+    except (yaml.YAMLError, KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"--base-links {path}: needs inter_node GBps and latency_us > 0 "
+                         "(the format of configs/links/default.yaml)")
+    return base
+
+
 def bench_a2a(sizes_kib: Sequence[int], iters: int, warmup: int, device_name: Optional[str],
               out_dir: str, base_links: Optional[str], command: str) -> Optional[dict]:
     """Measure the node's all-to-all under torchrun and write ``a2a.json``, ``a2a.md`` and
     ``links.yaml`` into ``out_dir`` (rank 0; the other ranks return None).
 
+    Args:
+        sizes_kib: bytes each rank sends each peer, KiB (at least two distinct sizes).
+        iters, warmup: timed and untimed calls per size.
+        device_name: ``cuda`` (NCCL, each rank its ``cuda:LOCAL_RANK``) or ``cpu``
+            (gloo); None: CUDA where torch sees it.
+        out_dir: the folder written. base_links: the link file whose ``inter_node``
+            figures are kept (None: configs/links/default.yaml). command: how it was run,
+            for the report.
+
+    ``gpus_per_node`` in the link file is the number of GPUs torch sees
+    (``CUDA_VISIBLE_DEVICES`` narrows it); edit it for a larger node.
+
     Raises:
         ValueError: not under torchrun or fewer than 2 ranks, a world spanning nodes, a
-            size below 1 KiB, ``--iters`` < 1 or ``--warmup`` < 0, an unwritable
-            ``--out``, a missing ``--base-links`` file, or a failed fit (see
-            :func:`fit_link`).
+            size below 1 KiB or fewer than two distinct sizes, ``--iters`` < 1 or
+            ``--warmup`` < 0, an unwritable ``--out``, a ``--base-links`` file the
+            simulator cannot read (checked before measuring), or a failed fit (see
+            :func:`fit_link`; the measured sizes are written to ``a2a.json`` first).
+        FileNotFoundError: no ``--base-links`` file.
     """
     from lrmoe.parallel import init_torchrun_group
 
@@ -160,10 +206,14 @@ def bench_a2a(sizes_kib: Sequence[int], iters: int, warmup: int, device_name: Op
         raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {iters}, {warmup}")
     if not sizes_kib or min(sizes_kib) < 1:
         raise ValueError(f"--sizes-kib must be >= 1 KiB each, got {list(sizes_kib)}")
+    if len(set(sizes_kib)) < 2:
+        raise ValueError(f"--sizes-kib needs at least two distinct sizes to fit latency and "
+                         f"bandwidth, got {list(sizes_kib)}")
     base_path = Path(base_links) if base_links else DEFAULT_BASE_LINKS
     if not base_path.is_file():
         raise FileNotFoundError(f"--base-links {base_path}: no such file (the network figures "
                                 "are taken from it)")
+    base = read_base_links(base_path)  # before any measuring
     world = int(os.environ.get("WORLD_SIZE", "0") or 0)
     if world < 2:
         raise ValueError("bench a2a times an all-to-all between ranks: launch it with "
@@ -184,28 +234,32 @@ def bench_a2a(sizes_kib: Sequence[int], iters: int, warmup: int, device_name: Op
         # a group left to the interpreter's exit aborts gloo's threads (SIGABRT)
         if created and dist.is_initialized():
             dist.destroy_process_group()
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    name = torch.cuda.get_device_name(device) if use_cuda else "cpu"
+    date = datetime.date.today().isoformat()
+    out = Path(out_dir)
+    meta = {"device": name, "world_size": world, "backend": backend, "date": date,
+            "command": command, "iters": iters, "warmup": warmup,
+            "base_links": str(base_path)}
+    if rank0:  # the measurements first: a fit that fails keeps them
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "a2a.json").write_text(json.dumps({"meta": meta, "fit": None,
+                                                  "records": records}, indent=1) + "\n")
     # every rank has the same records (max over ranks): the fit is the same everywhere
     latency_us, GBps = fit_link([r["off_rank_bytes"] for r in records],
                                 [r["ms"] for r in records])
     for r in records:
         r["fit_ms"] = latency_us / 1e3 + r["off_rank_bytes"] / (GBps * 1e6)
         r["fit_err_pct"] = 100.0 * (r["fit_ms"] / r["ms"] - 1.0)
-    if int(os.environ.get("RANK", "0")) != 0:
+    if not rank0:
         return None
-    name = torch.cuda.get_device_name(device) if use_cuda else "cpu"
-    date = datetime.date.today().isoformat()
     gpus_per_node = torch.cuda.device_count() if use_cuda else local
     source = (f"lrmoe bench a2a on {world} x {name} ({backend}), {date}; fit of "
               f"{len(records)} sizes {min(sizes_kib)}-{max(sizes_kib)} KiB per peer; "
               f"`{command}`")
-    doc = links_document(latency_us, GBps, gpus_per_node,
-                         yaml.safe_load(base_path.read_text()), source)
-    result = {"meta": {"device": name, "world_size": world, "backend": backend, "date": date,
-                       "command": command, "iters": iters, "warmup": warmup,
-                       "base_links": str(base_path)},
-              "fit": {"latency_us": latency_us, "GBps": GBps}, "records": records}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    doc = links_document(latency_us, GBps, gpus_per_node, base, source)
+    result = {"meta": meta, "fit": {"latency_us": latency_us, "GBps": GBps},
+              "records": records}
     (out / "a2a.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "links.yaml").write_text(yaml.safe_dump(doc, sort_keys=False, width=88))
     (out / "a2a.md").write_text(markdown(result))
@@ -213,7 +267,8 @@ def bench_a2a(sizes_kib: Sequence[int], iters: int, warmup: int, device_name: Op
 
 
 def markdown(result: Dict[str, Any]) -> str:
-    """The sweep and the fit as a markdown table."""
+    """The sweep and the fit as a markdown table (KiB per peer, MB = 1e6 bytes off the
+    rank, ms, GB/s = 1e9 bytes per second, the fit's ms and its error in percent)."""
     m, f = result["meta"], result["fit"]
     rows = "\n".join(f"| {r['bytes_per_peer'] / 1024:g} | {r['off_rank_bytes'] / 1e6:.3f} | "
                      f"{r['ms']:.4f} | {r['GBps']:.2f} | {r['fit_ms']:.4f} | "

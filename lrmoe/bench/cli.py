@@ -57,7 +57,7 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "default; fixed: Megatron-style ownership through the planner; "
                         "ultraep, symi, lrmoe: replicas, docs/planner.md); rows 'lrmoe "
                         "POLICY c=..' with the plan's replicas and memory per rank")
-    p.add_argument("--replica-slots", type=int, default=2,
+    p.add_argument("--replica-slots", type=int, default=None,
                    help="with --policies: spare expert slots per rank (default 2)")
     p.add_argument("--offload", default="none", choices=OFFLOAD_MODES,
                    help="LRMoE layer's LRMoEConfig.offload: activations keeps the saved "
@@ -75,11 +75,46 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+def _check_policies(args: argparse.Namespace) -> None:
+    """``--policies`` and ``--replica-slots`` before any process group or layer exists.
+
+    Raises:
+        ValueError: ``--policies`` without ``--ep``, without ``lrmoe`` in ``--methods``,
+            with a policy twice or without 0 in ``--rates`` (each policy's c = 0 is the
+            check against the layer without one); ``--replica-slots`` without
+            ``--policies``, below 0, or 0 with ``ultraep`` (its replicas live there).
+    """
+    pols = args.policies
+    if pols is None:
+        if args.replica_slots is not None:
+            raise ValueError("--replica-slots sets the placement policies' spare slots; give "
+                             "--policies too")
+        return
+    if args.ep is None:
+        raise ValueError("--policies place experts over an expert-parallel group; add --ep "
+                         "N under torchrun --nproc-per-node N")
+    if args.methods is not None and "lrmoe" not in args.methods:
+        raise ValueError("--policies place the LRMoE layer; add lrmoe to --methods")
+    if len(set(pols)) != len(pols):
+        raise ValueError(f"--policies lists a policy twice ({' '.join(pols)}); list each once")
+    if 0 not in args.rates:
+        raise ValueError("--policies needs 0 among --rates: each policy's c = 0 is checked "
+                         "against the layer without a policy before it is timed")
+    slots = 2 if args.replica_slots is None else args.replica_slots
+    if slots < 0:
+        raise ValueError(f"--replica-slots must be >= 0, got {slots}")
+    if slots == 0 and "ultraep" in pols:
+        raise ValueError("--policies ultraep needs --replica-slots >= 1 (its replicas live in "
+                         "the spare slots)")
+    args.replica_slots = slots
+
+
 def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dict:
     """Run ``bench layer`` from parsed arguments and print the targets table.
 
     Raises:
-        ValueError: ``--tokens`` below 1, ``--tokens`` together with ``--smoke`` (which
+        ValueError: bad ``--policies`` / ``--replica-slots`` (:func:`_check_policies`),
+            ``--tokens`` below 1, ``--tokens`` together with ``--smoke`` (which
             fixes 256), several torchrun processes without ``--ep``, or ``--offload``,
             ``--profile-dir`` or ``--cuda-graph`` with ``--ep``; an ``--out``,
             ``--profile-dir`` or ``--append-md`` that cannot be written
@@ -121,11 +156,7 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
             raise ValueError(f"--device {args.device}: no CUDA device here; use --device cpu")
     if args.append_md:
         check_output("--append-md", args.append_md, is_dir=False)
-    if args.policies is not None and args.ep is None:
-        raise ValueError("--policies place experts over an expert-parallel group; add --ep "
-                         "N under torchrun --nproc-per-node N")
-    if args.replica_slots < 0:
-        raise ValueError(f"--replica-slots must be >= 0, got {args.replica_slots}")
+    _check_policies(args)
     if args.ep is not None and args.offload != "none":
         raise ValueError("--offload is measured by the one-device benchmark; drop --ep (the "
                          "expert-parallel layer runs it too, but bench layer --ep does not "
@@ -188,7 +219,7 @@ def _run_layer_ep(args: argparse.Namespace, argv: Optional[List[str]]) -> Option
                             args.iters, args.warmup, args.rotate, args.trace, args.out,
                             args.append_md, command,
                             [None if p == "none" else p for p in args.policies or ["none"]],
-                            args.replica_slots)
+                            2 if args.replica_slots is None else args.replica_slots)
     if result is None:  # ranks > 0
         return None
     meta = result["meta"]

@@ -41,8 +41,9 @@ class Method:
         forward: (x (T, H), expert ids (T, K) int64) -> (T, H) output.
         params: the parameters whose gradients one step fills (cleared between steps).
         reference: the LRMoE layer holding the shared weights (the agreement check runs
-            it at c = 0); for an ``lrmoe`` method also the layer it times.
-        tolerance: the agreement tolerance (relative Frobenius error), 0 for ``lrmoe``.
+            it at c = 0); for an ``lrmoe`` method without a policy also the layer it times.
+        tolerance: the agreement tolerance (relative Frobenius error): 0 for ``lrmoe``
+            without a policy (it is the reference), the dtype's for a policy's layer.
         a2a_source: expert parallel dropless only: the dict its forward fills with the
             bytes sent into each all-to-all.
         module: a baseline's own module (transformers' block, torchtitan's MoE), for
@@ -67,6 +68,7 @@ class Method:
 
     @property
     def label(self) -> str:
+        """Display name (:func:`label`)."""
         return label(self.method, self.rate, self.policy)
 
     @property

@@ -6,7 +6,6 @@ precision, the data (loaded, reported, checked against a checkpoint's) and the m
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional
 
@@ -67,21 +66,31 @@ def configure_device(cfg: TrainConfig, device: torch.device) -> Optional[torch.d
 
 def load_run_data(cfg: TrainConfig, tokenizer: Optional[str]) -> LMData:
     """The ``data`` section's source, read, split, tokenized and packed
-    (:func:`lrmoe.data.load_data`, cached), its report logged.
+    (:func:`lrmoe.data.load_data`, cached). The trainer runs it on rank 0 first (which
+    fills the cache), then on the others, and then :func:`report_run_data` on every rank.
 
     Raises:
-        ValueError: fewer training sequences than ``data.batch_size``, an empty validation
-            split, or what :func:`lrmoe.data.load_data` raises.
-        FileNotFoundError: from :func:`lrmoe.data.load_data` (a missing source).
+        ValueError, FileNotFoundError: what :func:`lrmoe.data.load_data` raises (a bad
+            argument, a missing source).
     """
     d = cfg.data
-    t = time.perf_counter()
-    data = load_data(d.source, seq_len=d.seq_len, cache_dir=cache_dir(cfg), tokenizer=tokenizer,
+    return load_data(d.source, seq_len=d.seq_len, cache_dir=cache_dir(cfg), tokenizer=tokenizer,
                      vocab_size=d.vocab_size, val_fraction=d.val_fraction,
                      max_records=d.max_records, seed=cfg.run.seed)
+
+
+def report_run_data(cfg: TrainConfig, data: LMData, seconds: float) -> None:
+    """Log the data report and check the splits against the run, on every rank (each
+    raises the same error alike, so no rank reports another's failure).
+
+    Raises:
+        ValueError: fewer training sequences than ``data.batch_size``, or an empty
+            validation split.
+    """
+    d = cfg.data
     for line in data.report.lines():
         log(line)
-    log(f"data ready in {time.perf_counter() - t:.1f} s: {len(data.train)} training "
+    log(f"data ready in {seconds:.1f} s: {len(data.train)} training "
         f"and {len(data.val)} validation sequences of {d.seq_len} tokens, vocab "
         f"{data.vocab_size}")
     if len(data.train) < d.batch_size:
@@ -90,7 +99,6 @@ def load_run_data(cfg: TrainConfig, tokenizer: Optional[str]) -> LMData:
     if len(data.val) == 0:
         raise ValueError("the validation split is empty; raise data.val_fraction or add "
                          "data")
-    return data
 
 
 def data_fingerprint(data: LMData) -> Dict[str, Any]:

@@ -204,9 +204,11 @@ class Trainer:
         cfg = self.cfg
         d = cfg.data
         self.autocast_dtype = setup.configure_device(cfg, self.device)
+        t = time.perf_counter()
         self.data = dist_io.rank0_first(
             self.group, self.rank, lambda: setup.load_run_data(cfg, self.tokenizer),
             "loading the data")
+        setup.report_run_data(cfg, self.data, time.perf_counter() - t)
         self.data_fingerprint = setup.data_fingerprint(self.data)
         if self._state is not None:
             setup.check_same_data(self._state["data_fingerprint"], self.data_fingerprint)
