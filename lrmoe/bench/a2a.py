@@ -150,8 +150,8 @@ def links_document(latency_us: float, GBps: float, gpus_per_node: int, base: Dic
     """
     return {"name": f"measured: {source.split(';')[0]} + {base.get('name', 'base')}",
             "gpus_per_node": int(gpus_per_node),
-            "intra_node": {"GBps": round(GBps, 3), "source": source,
-                           "latency_us": round(max(latency_us, 1e-3), 3),
+            "intra_node": {"GBps": float(f"{GBps:.6g}"), "source": source,
+                           "latency_us": float(f"{max(latency_us, 1e-3):.6g}"),
                            "latency_source": source + " (intercept of the same fit)"},
             "inter_node": dict(base["inter_node"])}
 
