@@ -64,12 +64,12 @@ def test_fit_refuses_what_it_cannot_fit(b, t, match):
 
 def test_torchrun_gloo_writes_a_link_file_the_simulator_reads(tmp_path):
     out = tmp_path / "a2a"
-    r = _torchrun(["--device", "cpu", "--sizes-kib", "1", "64", "1024", "--iters", "3",
+    r = _torchrun(["--device", "cpu", "--sizes-kib", "1", "256", "4096", "--iters", "3",
                    "--warmup", "1", "--out", str(out)], tmp_path,
                   subcommand=("bench", "a2a"), timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((out / "a2a.json").read_text())
-    assert [x["bytes_per_peer"] for x in result["records"]] == [1024, 65536, 1 << 20]
+    assert [x["bytes_per_peer"] for x in result["records"]] == [1024, 256 << 10, 4 << 20]
     for x in result["records"]:
         assert x["off_rank_bytes"] == x["bytes_per_peer"]  # W - 1 = 1 peer
         assert x["ms"] > 0
