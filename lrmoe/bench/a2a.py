@@ -115,6 +115,9 @@ def measure(sizes_kib: Sequence[int], iters: int, warmup: int, device: torch.dev
         device: the rank's device (CUDA for NCCL, the CPU for gloo).
         group: the process group (None: the default group).
 
+    Raises:
+        ValueError: a rank could not allocate a size's buffers (on every rank alike).
+
     Returns:
         One record per size: ``bytes_per_peer``, ``off_rank_bytes`` ((W - 1) x
         bytes_per_peer), ``ms`` (the maximum over ranks of their medians) and
@@ -123,10 +126,24 @@ def measure(sizes_kib: Sequence[int], iters: int, warmup: int, device: torch.dev
     """
     world = dist.get_world_size(group)
     out = []
+    flag_device = device if device.type == "cuda" else "cpu"
     for kib in sizes_kib:
         per_peer = int(kib) * 1024
-        x = torch.empty(world * per_peer, dtype=torch.uint8, device=device).fill_(1)
-        y = torch.empty_like(x)
+        try:
+            x = torch.empty(world * per_peer, dtype=torch.uint8, device=device).fill_(1)
+            y = torch.empty_like(x)
+            ok = 1.0
+        except torch.OutOfMemoryError:
+            x = y = None
+            ok = 0.0
+        # every rank learns of one rank's failed allocation, instead of waiting for it in
+        # the next collective until the timeout
+        flag = torch.tensor([ok], dtype=torch.float64, device=flag_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        if float(flag) < 1.0:
+            raise ValueError(f"--sizes-kib {kib}: a rank could not allocate the 2 x "
+                             f"{world * per_peer / 2**20:.0f} MiB buffers; drop the largest "
+                             "sizes")
         ms = torch.tensor([_time_one(x, y, iters, warmup, group)], dtype=torch.float64,
                           device=device if device.type == "cuda" else "cpu")
         dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=group)

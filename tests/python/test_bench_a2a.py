@@ -87,3 +87,29 @@ def test_without_torchrun_names_torchrun(tmp_path):
     r = _torchrun(["--device", "cpu", "--out", str(tmp_path / "a")], tmp_path, nproc=0,
                   subcommand=("bench", "a2a"))
     assert r.returncode == 2 and "torchrun --nproc-per-node N" in r.stderr, r.stderr
+
+
+def _one_rank_out_of_memory(rank, world):
+    """Rank 1 cannot allocate the 2nd size's buffers: every rank raises the same
+    ValueError at once (within the 10 s collective timeout, not waiting for rank 1)."""
+    import torch
+
+    from lrmoe.bench import a2a
+
+    real = torch.empty
+
+    def empty(*shape, **kw):
+        if rank == 1 and shape and shape[0] >= 2 * 64 * 1024:
+            raise torch.OutOfMemoryError("test: no memory")
+        return real(*shape, **kw)
+    torch.empty = empty
+    try:
+        with pytest.raises(ValueError, match="--sizes-kib 64: a rank could not allocate"):
+            a2a.measure([1, 64], 1, 0, torch.device("cpu"))
+    finally:
+        torch.empty = real
+
+
+def test_one_rank_out_of_memory_stops_every_rank():
+    from test_expert_parallel import _spawn
+    _spawn(_one_rank_out_of_memory, "gloo", 2, timeout_s=10)
