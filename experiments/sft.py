@@ -250,10 +250,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(not 0 < c < 1 for c in args.rates):
         p.error("--rates are the dropping rates to compare in (0, 1); c = 0 always runs")
-    if not all(0 < t <= 1 for t in args.targets):
-        p.error(f"--targets must lie in (0, 1], got {args.targets}")
-    if not 0 < args.cap < 1:
-        p.error(f"--cap must lie in (0, 1), got {args.cap}")
+    adaptive_rate.check(p, args)  # --targets and --cap, as that recipe checks them
     try:
         parse_settings(args.settings)
         parse_settings(args.adaptive_settings, "--adaptive-settings")

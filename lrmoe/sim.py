@@ -10,15 +10,15 @@ source rank, expert), N = S x Lyr layer results.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Dict, Optional, Sequence
 
 import numpy as np
 import torch
-import yaml
 
 from lrmoe import _C  # noqa: F401  (registers the ops)
 from lrmoe.calibrate import load_costs, point_rest
+# the link files live in lrmoe.links (the link benchmark reads them too)
+from lrmoe.links import Links
 from lrmoe.planner import DEFAULT_BALANCE_SLACK, MemoryModel, ModelShape, synthetic_loads
 
 #: the columns of the op's fields (csrc/ops/sim.cpp kFields, same order); times in ms,
@@ -40,7 +40,6 @@ SENT_KEYS = ("forward_dispatch", "forward_combine", "backward_grad", "backward_i
 #: ``lrmoe calibrate --ep``, 0 in files without them)
 PER_ROW = ("router", "permute", "combine", "fwd_rest", "router_grad", "score", "select",
            "bwd_rest", "compact", "scatter", "ep_fwd", "ep_bwd")
-DEFAULT_LINKS = Path(__file__).resolve().parent.parent / "configs" / "links" / "default.yaml"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,54 +107,6 @@ class Costs:
                    float(data["bandwidth"].get("h2d_GBps") or 0.0), data["meta"],
                    float(data["bandwidth"].get("copy_GBps") or 0.0))
 
-
-
-@dataclasses.dataclass(frozen=True)
-class Links:
-    """All-to-all link costs (configs/links/*.yaml): per-GPU GB/s and per-collective us
-    within a node and between nodes, and where each figure comes from."""
-
-    name: str
-    gpus_per_node: int
-    intra_GBps: float
-    intra_latency_us: float
-    inter_GBps: float
-    inter_latency_us: float
-    sources: Dict[str, str]
-
-    @classmethod
-    def from_file(cls, path: Optional[str] = None) -> "Links":
-        """Read a link file (default: configs/links/default.yaml).
-
-        Raises:
-            FileNotFoundError: no file at ``path``.
-            ValueError: a missing or non-positive figure (naming the key).
-        """
-        p = Path(path) if path else DEFAULT_LINKS
-        if not p.is_file():
-            raise FileNotFoundError(f"no link config at {p}; see configs/links/default.yaml")
-        d = yaml.safe_load(p.read_text())
-        try:
-            vals = dict(gpus_per_node=int(d["gpus_per_node"]),
-                        intra_GBps=float(d["intra_node"]["GBps"]),
-                        intra_latency_us=float(d["intra_node"]["latency_us"]),
-                        inter_GBps=float(d["inter_node"]["GBps"]),
-                        inter_latency_us=float(d["inter_node"]["latency_us"]))
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"{p}: missing {exc}; every link file needs gpus_per_node and "
-                             "intra_node/inter_node GBps and latency_us") from None
-        for k, v in vals.items():
-            if not v > 0:
-                raise ValueError(f"{p}: {k} must be > 0, got {v}")
-        src = {f"{side}.{k}": str(d[side].get(k, "")) for side in ("intra_node", "inter_node")
-               for k in ("source", "latency_source")}
-        return cls(str(d.get("name", p.stem)), sources=src, **vals)
-
-    def as_list(self, self_GBps: float = 0.0) -> list:
-        """The op's link list; ``self_GBps``: the device copy of the rows a rank sends
-        itself (:meth:`Costs.self_copy_GBps`; 0: free)."""
-        return [float(self.gpus_per_node), self.intra_GBps, self.intra_latency_us,
-                self.inter_GBps, self.inter_latency_us, float(self_GBps)]
 
 
 def cluster_loads(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k: int,

@@ -34,10 +34,10 @@ import torch.distributed as dist
 import yaml
 
 from lrmoe.paths import check_output
+from lrmoe.links import DEFAULT_LINKS, Links
 
 #: default per-peer message sizes, KiB: 4 KiB (latency-bound) to 64 MiB (bandwidth-bound)
 DEFAULT_SIZES_KIB = (4, 16, 64, 256, 1024, 4096, 16384, 65536)
-DEFAULT_BASE_LINKS = Path(__file__).resolve().parents[2] / "configs" / "links" / "default.yaml"
 
 
 def fit_link(bytes_N: Sequence[float], ms_N: Sequence[float]) -> Tuple[float, float]:
@@ -145,7 +145,7 @@ def measure(sizes_kib: Sequence[int], iters: int, warmup: int, device: torch.dev
                              f"{world * per_peer / 2**20:.0f} MiB buffers; drop the largest "
                              "sizes")
         ms = torch.tensor([_time_one(x, y, iters, warmup, group)], dtype=torch.float64,
-                          device=device if device.type == "cuda" else "cpu")
+                          device=flag_device)
         dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=group)
         off = (world - 1) * per_peer
         out.append({"bytes_per_peer": per_peer, "off_rank_bytes": off,
@@ -171,24 +171,6 @@ def links_document(latency_us: float, GBps: float, gpus_per_node: int, base: Dic
                            "latency_us": float(f"{max(latency_us, 1e-3):.6g}"),
                            "latency_source": source + " (intercept of the same fit)"},
             "inter_node": dict(base["inter_node"])}
-
-
-def read_base_links(path: Path) -> Dict[str, Any]:
-    """The link file whose network figures the result keeps, parsed.
-
-    Raises:
-        ValueError: not YAML, or without ``inter_node`` ``GBps`` and ``latency_us`` > 0
-            (what ``lrmoe.sim.Links.from_file`` needs of it), naming the file.
-    """
-    try:
-        base = yaml.safe_load(path.read_text())
-        ok = all(float(base["inter_node"][k]) > 0 for k in ("GBps", "latency_us"))
-    except (yaml.YAMLError, KeyError, TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ValueError(f"--base-links {path}: needs inter_node GBps and latency_us > 0 "
-                         "(the format of configs/links/default.yaml)")
-    return base
 
 
 def bench_a2a(sizes_kib: Sequence[int], iters: int, warmup: int, device_name: Optional[str],
@@ -226,11 +208,12 @@ def bench_a2a(sizes_kib: Sequence[int], iters: int, warmup: int, device_name: Op
     if len(set(sizes_kib)) < 2:
         raise ValueError(f"--sizes-kib needs at least two distinct sizes to fit latency and "
                          f"bandwidth, got {list(sizes_kib)}")
-    base_path = Path(base_links) if base_links else DEFAULT_BASE_LINKS
-    if not base_path.is_file():
-        raise FileNotFoundError(f"--base-links {base_path}: no such file (the network figures "
-                                "are taken from it)")
-    base = read_base_links(base_path)  # before any measuring
+    base_path = Path(base_links) if base_links else DEFAULT_LINKS
+    try:  # the simulator's own reader, before any measuring
+        Links.from_file(str(base_path))
+    except (FileNotFoundError, ValueError) as err:
+        raise type(err)(f"--base-links: {err}") from None
+    base = yaml.safe_load(base_path.read_text())
     world = int(os.environ.get("WORLD_SIZE", "0") or 0)
     if world < 2:
         raise ValueError("bench a2a times an all-to-all between ranks: launch it with "

@@ -89,6 +89,7 @@ def _check_policies(args: argparse.Namespace) -> None:
         if args.replica_slots is not None:
             raise ValueError("--replica-slots sets the placement policies' spare slots; give "
                              "--policies too")
+        args.replica_slots = 2  # unused without policies; the record's meta keeps it
         return
     if args.ep is None:
         raise ValueError("--policies place experts over an expert-parallel group; add --ep "
@@ -219,7 +220,7 @@ def _run_layer_ep(args: argparse.Namespace, argv: Optional[List[str]]) -> Option
                             args.iters, args.warmup, args.rotate, args.trace, args.out,
                             args.append_md, command,
                             [None if p == "none" else p for p in args.policies or ["none"]],
-                            2 if args.replica_slots is None else args.replica_slots)
+                            args.replica_slots)
     if result is None:  # ranks > 0
         return None
     meta = result["meta"]

@@ -159,7 +159,7 @@ def _placement(stats) -> Dict[str, object]:
     verdict, rows per rank under fixed ownership / forward / backward, this rank's replica
     bytes, and the plan's memory per rank (max over ranks of each part and of the total,
     bytes)."""
-    mem = stats.memory_W4
+    mem = [] if stats.memory_W4 is None else stats.memory_W4.tolist()
     parts = ("base_experts", "replicas", "forward_tokens", "backward_tokens")
     return {"replicas": stats.replicas, "remote_instances": stats.remote_instances,
             "feasible": stats.feasible, "reason": stats.reason,

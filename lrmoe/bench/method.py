@@ -48,9 +48,6 @@ class Method:
             bytes sent into each all-to-all.
         module: a baseline's own module (transformers' block, torchtitan's MoE), for
             inspection; None otherwise.
-        policy: expert parallel LRMoE only: the placement policy of the layer it times
-            (``fixed``, ``ultraep``, ``symi``, ``lrmoe``); None: fixed ownership without
-            the planner.
         timed: the layer a policy's method times (built with that policy over the same
             seeded weights as ``reference``); None: it times ``reference``.
     """
@@ -63,8 +60,15 @@ class Method:
     tolerance: float = 0.0
     a2a_source: Optional[Dict[str, int]] = None
     module: Optional[torch.nn.Module] = None
-    policy: Optional[str] = None
     timed: Optional[LRMoELayer] = None
+
+    @property
+    def policy(self) -> Optional[str]:
+        """The placement policy of the layer this method times (``fixed``, ``ultraep``,
+        ``symi``, ``lrmoe``); None: a baseline, or fixed ownership without the planner."""
+        layer = self.layer
+        replicas = None if layer is None else layer.core.replicas
+        return None if replicas is None else replicas.placement.policy
 
     @property
     def label(self) -> str:

@@ -136,8 +136,7 @@ def build_methods(case: Case, rates: Sequence[float], methods: Sequence[str],
                     return timed(x, ids)
                 out.append(Method("lrmoe", float(c), run_lrmoe, list(timed.parameters()),
                                   base, tolerance=0.0 if policy is None else tolerance(
-                                      case.dtype), policy=policy,
-                                  timed=None if policy is None else timed))
+                                      case.dtype), timed=None if policy is None else timed))
     if "dropless" in methods:
         out.append(_dropless_method(base, case, ep_group))
     if "transformers" in methods:

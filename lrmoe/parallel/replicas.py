@@ -172,9 +172,9 @@ class ReplicaStats:
         splits: collective name -> (the input splits this rank passed, bytes per row):
             ``dispatch``, ``combine``, ``grad``, ``dx`` (token rows), ``replica_fetch``,
             ``replica_push``, ``replica_grads`` (expert copies).
-        memory_W4: the plan's bytes per rank (W rows: base experts, replicas, forward
-            token buffers, backward token buffers; :class:`lrmoe.planner.Plan`), the same
-            on every rank.
+        memory_W4: (W, 4) int64 CPU tensor, the plan's bytes per rank (base experts,
+            replicas, forward token buffers, backward token buffers;
+            :class:`lrmoe.planner.Plan`), the same on every rank; None before a call.
     """
 
     policy: str = ""
@@ -188,7 +188,7 @@ class ReplicaStats:
     bytes: Dict[str, int] = field(default_factory=lambda: {
         "weights_fetched": 0, "weights_pushed": 0, "grads_reduced": 0})
     splits: Dict[str, Tuple[List[int], int]] = field(default_factory=dict)
-    memory_W4: List[List[int]] = field(default_factory=list)
+    memory_W4: Optional[Tensor] = None
 
     def summary(self) -> Dict[str, object]:
         """Host numbers for metrics.jsonl: ``placement_policy``, ``replicas``,
@@ -309,7 +309,7 @@ class ReplicaState:
         el = num_local_experts
         s.remote_instances = int((rank_I != layout.instance_expert() // el).sum())
         s.rows_before_W = plan.fixed_rows_W.tolist()
-        s.memory_W4 = plan.memory_W4.tolist()
+        s.memory_W4 = plan.memory_W4  # the planner's host tensor: no copy per call
         s.rows_forward_W = torch.zeros(world, dtype=torch.int64).index_add_(
             0, rank_I, forward_IW.sum(1)).tolist()
         s.rows_backward_W = torch.zeros(world, dtype=torch.int64).index_add_(

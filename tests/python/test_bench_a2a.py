@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_expert_parallel import _torchrun  # noqa: E402
 
 from lrmoe.bench.a2a import fit_link  # noqa: E402
-from lrmoe.sim import Links  # noqa: E402
+from lrmoe.links import Links  # noqa: E402
 
 
 def test_fit_recovers_an_exact_line():
