@@ -29,7 +29,7 @@
 # call's carry. Writes at most 8 files: log.txt, gpu_tests.txt, layer_bench.md,
 # ttl_report.md, sft_report.md, sft_runs.tar.gz, grid_report.md, grid_runs.tar.gz (the
 # time-to-loss runs join grid_runs.tar.gz under ttl/).
-# Environment: PYTHON (python3), MAX_JOBS (16), BUDGET (540), WORK, CAP_TESTS (40),
+# Environment: PYTHON (python3), SFT (1; 0: skip step 4, e.g. to give a call to step 5), MAX_JOBS (16), BUDGET (540), WORK, CAP_TESTS (40),
 # CAP_BENCH (90), TTL (0), SKIP_CHECKS (1: no tests and bench, e.g. in a continuing call), JOBS (4
 # cells at once: a gpu-small cell peaks near 21 GiB of GPU memory and writes 7.5 GB
 # checkpoints; six cells with two checkpoints each filled the machine's 64 GiB disk in
@@ -86,8 +86,9 @@ fi
 [[ -f "$work/wordnet_alpaca.jsonl" ]] || gunzip -c "$SFT_DATA_GZ" > "$work/wordnet_alpaca.jsonl"
 S="--preset gpu-small --device cuda --pretrain-steps 300 --sft-data $work/wordnet_alpaca.jsonl"
 S="$S --sft-steps 200 --eval-every 20 --prune-checkpoints --jobs $jobs --out $work/sft"
-for part in "lrm:topk lrm:importance|0.2 0.3" "random:topk|0.3" \
-            "lrm:topk lrm:importance random:topk|0.2 0.3 0.5"; do
+[[ "${SFT:-1}" == 0 ]] && parts=() || parts=("lrm:topk lrm:importance|0.2 0.3" "random:topk|0.3" \
+            "lrm:topk lrm:importance random:topk|0.2 0.3 0.5")
+for part in "${parts[@]}"; do
   (( $(left) > 60 )) || break
   # shellcheck disable=SC2086  # seeds, settings and rates are words
   timeout -s INT "$(left)" "$py" experiments/sft.py $S --seeds $seeds \
