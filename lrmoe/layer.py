@@ -25,7 +25,8 @@ from lrmoe.config import LRMoEConfig
 from lrmoe.experts import BackwardStats, ExpertFunction
 from lrmoe.parallel import (ExpertParallelFunction, announce_failure,
                             check_config_across_ranks, shard_experts)
-from lrmoe.parallel.replicas import Placement, ReplicaState
+from lrmoe.parallel.placement import Placement
+from lrmoe.parallel.replicas import ReplicaState
 from lrmoe.router import Router, Routing, router_losses
 
 
@@ -49,7 +50,7 @@ class MoECore:
             (:func:`lrmoe.parallel.shard_experts`).
         ep_group: ``torch.distributed`` group for expert parallelism, or None.
         where: the layer's name for error messages.
-        policy: placement under EP (:class:`lrmoe.parallel.replicas.Placement`, a policy
+        policy: placement under EP (:class:`lrmoe.parallel.placement.Placement`, a policy
             name or a dict of its fields), or None: fixed ownership without the planner.
 
     Raises:
@@ -394,7 +395,7 @@ class LRMoELayer(MoELayerBase):
             None: one device.
         policy: placement of expert instances under EP (README "Placement policies and
             replicas"): ``"fixed"``, ``"ultraep"``, ``"symi"``, ``"lrmoe"``, a dict of
-            :class:`lrmoe.parallel.replicas.Placement` fields (budget, resident bytes,
+            :class:`lrmoe.parallel.placement.Placement` fields (budget, resident bytes,
             slots) or a Placement. Every call plans with ``lrmoe.planner`` on the
             exchanged counts and runs each pair on the instance the plan gives it;
             outputs equal the layer without a policy. None: fixed ownership, no planner.

@@ -14,7 +14,7 @@ from lrmoe.bench.methods import EP_METHODS, METHODS
 from lrmoe.bench.report import A2A_PHASES, FAILED
 from lrmoe.bench.routing import ROUTINGS, SHAPES
 from lrmoe.offload import OFFLOAD_MODES
-from lrmoe.parallel.replicas import POLICIES
+from lrmoe.parallel.placement import POLICIES
 from lrmoe.paths import check_output
 
 

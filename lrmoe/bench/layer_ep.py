@@ -314,7 +314,7 @@ def bench_layer_ep(ep: int, shapes: Sequence[str], tokens: Sequence[int],
         ValueError: not under torchrun or a world size other than ``ep``; ``transformers``
             or ``torchtitan`` in ``methods``; E of a shape not divisible by ``ep``; unknown
             shape/method/dtype; a placement the policy refuses
-            (:class:`lrmoe.parallel.replicas.Placement`, e.g. ``ultraep`` without replica
+            (:class:`lrmoe.parallel.placement.Placement`, e.g. ``ultraep`` without replica
             slots).
     """
     from lrmoe.parallel import init_torchrun_group

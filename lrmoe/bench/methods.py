@@ -29,7 +29,7 @@ from lrmoe.bench.method import Method, tolerance
 from lrmoe.bench.routing import SHAPES, Case, Inputs
 from lrmoe.config import LRMoEConfig
 from lrmoe.layer import LRMoELayer
-from lrmoe.parallel.replicas import Placement
+from lrmoe.parallel.placement import Placement
 
 METHODS = ("lrmoe", "dropless", "transformers", "torchtitan")
 #: the methods that have an expert-parallel mode (``--ep``)
@@ -100,7 +100,7 @@ def build_methods(case: Case, rates: Sequence[float], methods: Sequence[str],
             layer of its own over the same seeded weights; None: fixed ownership without
             the planner, the layer every baseline is checked against).
         replica_slots: spare expert slots per rank of a policy's layer
-            (:class:`lrmoe.parallel.replicas.Placement`).
+            (:class:`lrmoe.parallel.placement.Placement`).
 
     Returns:
         One :class:`Method` per policy and LRMoE rate, then dropless, transformers,

@@ -373,7 +373,7 @@ def patch_moe_blocks(model: nn.Module, settings: Any = None, /, *, ep_group: Any
             (:mod:`lrmoe.parallel`): each layer keeps only this rank's E / W experts (a
             collective over the group; every rank must patch the same model).
         policy: placement of expert instances under EP for every layer (a policy name,
-            a dict of :class:`lrmoe.parallel.replicas.Placement` fields or a Placement;
+            a dict of :class:`lrmoe.parallel.placement.Placement` fields or a Placement;
             see :class:`lrmoe.layer.LRMoELayer`); None: fixed ownership, no planner.
 
     Returns:

@@ -70,8 +70,8 @@ from lrmoe.parallel.group import (FAILED, announce_failure, check_config_across_
                                   comm_device, config_hash, config_summary,
                                   init_torchrun_group, raise_on_mismatch)
 from lrmoe.parallel.plan import DispatchPlan, InstanceLayout, build_plan, source_shares
-from lrmoe.parallel.replicas import (Placement, ReplicaState, placement_metrics,
-                                     push_replica_weights)
+from lrmoe.parallel.placement import Placement
+from lrmoe.parallel.replicas import ReplicaState, placement_metrics, push_replica_weights
 
 __all__ = [
     "EXPERT_PARAM_ATTR", "FAILED", "DispatchPlan", "ExpertParallelFunction",

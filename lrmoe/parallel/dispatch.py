@@ -39,7 +39,7 @@ def exchange_counts(tokens_per_expert_E: Tensor, config: LRMoEConfig, group,
         tokens_per_expert_E: (E,) int32 this rank's routed pairs per expert.
         config: this rank's layer config (hashed with the EP size and ``dtype``).
         dtype: the compute dtype of the expert inputs.
-        placement: the layer's :class:`lrmoe.parallel.replicas.Placement` (hashed too),
+        placement: the layer's :class:`lrmoe.parallel.placement.Placement` (hashed too),
             or None. With one, an int64 ``flag`` per rank rides along as well (whether
             its pushed replica copies are fresh), so every rank learns all flags without
             another collective.

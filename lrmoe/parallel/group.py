@@ -94,7 +94,7 @@ def config_hash(config: LRMoEConfig, ep_size: int, dtype: Optional[torch.dtype] 
     """A 62-bit hash of the fields every EP rank must agree on (and the EP size, the
     compute dtype of the forward when given, and the placement settings -- policy,
     budget, resident bytes, slots -- when given: a
-    :class:`lrmoe.parallel.replicas.Placement`)."""
+    :class:`lrmoe.parallel.placement.Placement`)."""
     text = repr([(f, getattr(config, f)) for f in _HASH_FIELDS] + [("ep_size", ep_size)]
                 + ([("dtype", str(dtype))] if dtype is not None else [])
                 + ([("placement", placement.summary())] if placement is not None else []))

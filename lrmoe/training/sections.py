@@ -283,7 +283,7 @@ class ParallelConfig:
             instances under EP (``--policy fixed|ultraep|symi|lrmoe``, ``--memory-budget
             80GiB``: an int or a size text, ``--resident-bytes``: None measures
             ``torch.cuda.memory_allocated`` on the GPU, 0 on the CPU, ``--replica-slots``;
-            :func:`lrmoe.parallel.replicas.placement_from_config`; README "Placement
+            :func:`lrmoe.parallel.placement.placement_from_config`; README "Placement
             policies and replicas"); policy None: fixed ownership without the planner.
         dp_size: data-parallel size D of a DP x EP run (``--dp D``; 1 = EP over the whole
             world): ``torchrun --nproc-per-node D*ep_size`` ranks on a (dp, ep) mesh,
@@ -302,7 +302,7 @@ class ParallelConfig:
 
     def validate(self) -> None:
         """Raises ValueError naming the ``parallel.*`` field on an invalid value."""
-        from lrmoe.parallel.replicas import placement_from_config
+        from lrmoe.parallel.placement import placement_from_config
 
         _int("parallel.ep_size", self.ep_size, 1)
         _int("parallel.dp_size", self.dp_size, 1)

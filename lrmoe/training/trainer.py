@@ -199,7 +199,7 @@ class Trainer:
     # ------------------------------------------------------------------ set-up
     def _setup(self) -> None:
         from lrmoe.integrations.transformers import patch_moe_blocks
-        from lrmoe.parallel.replicas import placement_from_config
+        from lrmoe.parallel.placement import placement_from_config
 
         cfg = self.cfg
         d = cfg.data
@@ -239,7 +239,8 @@ class Trainer:
         self.model.train()
         if cfg.parallel.policy is not None and cfg.parallel.resident_bytes is None:
             # the planner's resident bytes: measured once, the same on every rank
-            from lrmoe.parallel.replicas import measured_resident_bytes, set_placement
+            from lrmoe.parallel.placement import measured_resident_bytes
+            from lrmoe.parallel.replicas import set_placement
             set_placement(self.model, placement_from_config(
                 cfg.parallel, measured_resident_bytes(self.device, self.group)))
         self.moe_timer = make_timer(cfg.run.time_moe, self.model, self.device)

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 import test_expert_parallel as tep
 from lrmoe.layer import LRMoELayer
-from lrmoe.parallel.replicas import Placement, push_replica_weights
+from lrmoe.parallel.placement import Placement
+from lrmoe.parallel.replicas import push_replica_weights
 from lrmoe.planner import MemoryModel, ModelShape, plan as planner_plan
 
 H, I, K = 8, 6, 2
