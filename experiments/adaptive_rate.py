@@ -53,6 +53,8 @@ def analyse(records, out, args) -> str:
     rows = analysis.dppl_table(records, ["selection", "target"],
                                lambda r: r["labels"]["rate"] == 0, args.last_evals)
     rows = [r for r in rows if r["selection"] != "none"]
+    if not rows:  # no adaptive cell has finished: no empty table or figure
+        return "## Adaptive rate\n\nNo adaptive cell has finished yet."
     for row in rows:
         runs = [r for r in records if r["labels"].get("selection") == row["selection"]
                 and r["labels"].get("target") == row["target"] and r["summary"]]

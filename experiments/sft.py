@@ -200,7 +200,8 @@ def analyse(records, out: Path, args) -> str:
     return (f"## SFT setting\n\nBase: `{base_cell(args).name}` ({args.pretrain_data}, "
             f"{args.pretrain_steps} steps, final validation perplexity "
             f"{base.get('last_val_ppl', float('nan')):.4g}); fine-tunes on "
-            f"`alpaca:{args.sft_data}`, {args.sft_steps} steps, lr {args.sft_lr:g}.\n\n"
+            f"{f'`alpaca:{args.sft_data}`' if args.sft_data else 'Alpaca-format data'}, "
+            f"{args.sft_steps} steps, lr {args.sft_lr:g}.\n\n"
             + analysis.markdown_table(baseline + rows, [
                 "setting", "rate", "dropped", "ppl", "ppl_sd", "dppl_pct", "dppl_pct_sd",
                 "dppl_abs", "seeds"]) + "\n\n![dPPL per setting](sft_dppl.png)\n\n" + "\n".join(figures))
@@ -219,9 +220,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--pretrain-steps", type=int, default=None,
                    help="steps of the base (default: --steps)")
     p.add_argument("--base-seed", type=int, default=0, help="seed of the base")
-    p.add_argument("--sft-data", required=True, metavar="PATH",
+    p.add_argument("--sft-data", default=None, metavar="PATH",
                    help="Alpaca JSON or JSONL file to fine-tune on (lrmoe data wordnet-alpaca "
-                        "builds one; Stanford Alpaca's alpaca_data.json works as it is)")
+                        "builds one; Stanford Alpaca's alpaca_data.json works as it is); "
+                        "not needed with --analyse-only")
     p.add_argument("--sft-steps", type=int, default=None,
                    help="steps of every fine-tune (default: --steps)")
     p.add_argument("--sft-lr", type=float, default=3e-4, help="peak lr of the fine-tunes")
@@ -264,6 +266,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "list each once")
     # analysing finished runs reads only their metrics (a clone re-makes the tables of
     # experiments/results/ without the fine-tuning data)
+    if not args.analyse_only and args.sft_data is None:
+        p.error("--sft-data PATH is required to run the grid (an Alpaca JSON/JSONL file; "
+                "`lrmoe data wordnet-alpaca --out data/wordnet_alpaca.jsonl` builds one)")
     if not args.analyse_only and not Path(args.sft_data).is_file():
         p.error(f"--sft-data {args.sft_data}: no such file; build it with `lrmoe data "
                 f"wordnet-alpaca --out {args.sft_data}` or give an Alpaca JSON/JSONL file")

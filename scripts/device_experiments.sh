@@ -96,7 +96,7 @@ for part in "${parts[@]}"; do
   log "sft rc $? (seeds $seeds, settings ${part%|*}, rates ${part#*|}; $(disk_free))"
 done
 # shellcheck disable=SC2086
-"$py" experiments/sft.py --preset gpu-small --sft-data none --pretrain-steps 300 \
+"$py" experiments/sft.py --preset gpu-small --pretrain-steps 300 \
   --sft-steps 200 --seeds $seeds --out "$work/sft" --analyse-only > /dev/null 2>&1
 pack sft "$work/sft"
 

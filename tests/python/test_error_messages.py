@@ -121,6 +121,11 @@ def test_recipes_usage_errors_exit_2_without_traceback(tmp_path, recipe):
                              capture_output=True, text=True, timeout=120)
         assert got.returncode == 2, got.stderr
         assert "Traceback" not in got.stderr and bad[0] in got.stderr, got.stderr
+    if recipe == "sft.py":  # running (not analysing) needs the fine-tuning data
+        got = subprocess.run([sys.executable, str(script), "--dry-run", "--out",
+                              str(tmp_path / "r")], capture_output=True, text=True, timeout=120)
+        assert got.returncode == 2 and "Traceback" not in got.stderr, got.stderr
+        assert "--sft-data PATH is required" in got.stderr, got.stderr
 
 
 def test_bench_layer_checks_out_and_profile_dir_before_timing(tmp_path, capsys):

@@ -287,6 +287,12 @@ def test_recipe_end_to_end_starts_every_fine_tune_from_the_base(tmp_path, wordne
     with pytest.raises(ValueError, match="holds fine-tunes .* another --out"):
         sft.main(more)
 
+    # a clone without the fine-tuning data re-makes the same table from the runs
+    table = (out / "report.md").read_text().split("| setting")[1]
+    data_flag = argv.index("--sft-data")
+    assert sft.main(argv[:data_flag] + argv[data_flag + 2:] + ["--analyse-only"]) == 0
+    assert (out / "report.md").read_text().split("| setting")[1] == table
+
 
 def test_base_check_refuses_another_base_not_another_spelling(tmp_path):
     """base.json written with --out relative still matches the same --out given absolute;
