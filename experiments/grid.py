@@ -116,14 +116,21 @@ def _run(cmd: List[str], log_path: Path, prefix: str = "",
                                 text=True, bufsize=1)
         if procs is not None:
             procs[proc.pid] = proc
-        try:
-            assert proc.stdout is not None
+        assert proc.stdout is not None
+
+        def copy_output() -> None:
             for line in proc.stdout:
                 log.write(line)
                 sys.stdout.write(prefix + line)
+
+        try:
+            copy_output()
             return proc.wait()
         except KeyboardInterrupt:
+            # the trainer counts this SIGINT and a terminal's (sent to the whole group)
+            # as one Ctrl-C (lrmoe/training/trainer.py, SIGINT_REPEAT_S), so it saves
             proc.send_signal(signal.SIGINT)
+            copy_output()  # its last lines name the checkpoint: keep them in the log
             proc.wait()
             raise
         finally:

@@ -77,10 +77,18 @@ def usage_error(args: argparse.Namespace, out: Path) -> Optional[str]:
     return None
 
 
+def interrupted(recipe: str) -> int:
+    """The one line of a grid stopped by Ctrl-C (each running cell saved a checkpoint);
+    returns the exit status 130 (128 + SIGINT, the shell's convention)."""
+    print(f"experiments/{recipe}.py: interrupted by Ctrl-C; every running cell saved a "
+          "checkpoint: run the same command again to continue", file=sys.stderr)
+    return 130
+
+
 def main(recipe: str, args: argparse.Namespace, cells: Sequence[_grid.Cell],
          analyse: Analyse, argv: Optional[Sequence[str]] = None) -> int:
     """Run ``cells`` (unless ``--analyse-only``), collect and analyse; returns the exit
-    status (1 when a cell failed, 2 on a usage error, 0 otherwise).
+    status (1 when a cell failed, 2 on a usage error, 130 after a Ctrl-C, 0 otherwise).
 
     A usage error (``--steps`` < 1, no seeds, ``--last-evals`` < 1, ``--jobs`` < 1, an
     ``--out`` that is a file) is one line on stderr naming the flag, before any run.
@@ -97,9 +105,12 @@ def main(recipe: str, args: argparse.Namespace, cells: Sequence[_grid.Cell],
         return 0
     status = {}
     if not args.analyse_only:
-        status = _grid.run_grid(cells, out, base_args(args), args.steps,
-                                 prune_checkpoints=args.prune_checkpoints,
-                                 jobs=args.jobs)
+        try:
+            status = _grid.run_grid(cells, out, base_args(args), args.steps,
+                                     prune_checkpoints=args.prune_checkpoints,
+                                     jobs=args.jobs)
+        except KeyboardInterrupt:
+            return interrupted(recipe)
     records = _grid.collect(cells, out)
     command = "python " + " ".join(shlex.quote(a) for a in
                                    [f"experiments/{recipe}.py", *(argv or sys.argv[1:])])

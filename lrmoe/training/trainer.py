@@ -49,6 +49,8 @@ from lrmoe.training.metrics import (CURVE_FILE, METRICS_FILE, SUMMARY_FILE, TENS
 from lrmoe.training.moe_timer import make_timer
 from lrmoe.training.optim import build_optimizer
 
+#: seconds after a Ctrl-C in which another SIGINT counts as the same one
+SIGINT_REPEAT_S = 1.0
 RUN_FILES = (METRICS_FILE, CURVE_FILE, SUMMARY_FILE)
 
 
@@ -338,9 +340,19 @@ class Trainer:
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         self.request_stop()
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts
+        first = time.monotonic()
+
+        def again(signum: int, frame: Any) -> None:
+            # A terminal's Ctrl-C reaches the whole process group, and a parent that also
+            # passes it on (experiments/grid.py, torchrun's agent) sends a second one
+            # milliseconds later: that one is the same Ctrl-C, not a request to abort
+            # without the checkpoint.
+            if time.monotonic() - first >= SIGINT_REPEAT_S:
+                raise KeyboardInterrupt
+
+        signal.signal(signal.SIGINT, again)
         log(f"Ctrl-C: stopping after the step in progress ({self.step} done) and saving a "
-            "checkpoint (Ctrl-C again aborts without saving)")
+            f"checkpoint (Ctrl-C again, after {SIGINT_REPEAT_S:g} s, aborts without saving)")
 
     # ------------------------------------------------------------------ the loop
     def _train_step(self) -> Dict[str, Any]:

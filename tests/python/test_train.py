@@ -338,7 +338,7 @@ def test_resume_with_incompatible_config_is_refused(tmp_path):
     assert T.train(micro(tmp_path, steps=2), overwrite=True).step == 2
 
 
-def test_sigint_saves_and_resume_continues(tmp_path):
+def test_sigint_saves_and_resume_continues(tmp_path, monkeypatch):
     def interrupt_at(step):
         def callback(trainer, s):
             if s == step:
@@ -357,11 +357,18 @@ def test_sigint_saves_and_resume_continues(tmp_path):
     b = T.read_metrics(tmp_path / "cut" / "metrics.jsonl")
     assert without_timing(a) == without_timing(b)
 
-    # a second Ctrl-C aborts at once
+    # one Ctrl-C that arrives twice at once (the terminal's, sent to the whole process
+    # group, and the one a parent such as experiments/grid.py passes on) still saves
     def twice(trainer, s):
         if s == 2:
             os.kill(os.getpid(), signal.SIGINT)
             os.kill(os.getpid(), signal.SIGINT)
+    got = T.train(micro(tmp_path, "twice"), step_callback=twice)
+    assert got.interrupted and got.step == 2
+    assert [p.name for p in T.list_checkpoints(tmp_path / "twice")] == ["step-00000002"]
+    # a second Ctrl-C after the repeat window aborts at once
+    from lrmoe.training import trainer as trainer_module
+    monkeypatch.setattr(trainer_module, "SIGINT_REPEAT_S", 0.0)
     with pytest.raises(KeyboardInterrupt):
         T.train(micro(tmp_path, "abort"), step_callback=twice)
     assert signal.getsignal(signal.SIGINT) is handler
