@@ -186,6 +186,22 @@ class Plan:
 DEFAULT_BALANCE_SLACK: Optional[float] = 0.0
 
 
+def check_slots(replica_slots: int, symi_slots: int, num_experts: int) -> None:
+    """Refuse slot counts outside [0, E] before they reach the C++ planner, which holds
+    them as int32 (a larger one would wrap around or not convert at all); no policy can use
+    more than E slots, since a rank holds at most one instance of each expert.
+
+    Raises:
+        ValueError: naming ``replica_slots`` or ``symi_slots`` (and the CLI flag).
+    """
+    for name, value in (("replica_slots", replica_slots), ("symi_slots", symi_slots)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+                or not 0 <= value <= num_experts:
+            raise ValueError(f"{name} must be an int in [0, E={num_experts}] (a rank holds "
+                             f"at most one instance of each expert; --{name.replace('_', '-')}"
+                             f"), got {value!r}")
+
+
 def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 0.0,
          quota_rule: str = "proportional", replica_slots: int = 2, symi_slots: int = 0,
          previous_load_E=None, max_expert_cut: float = 0.5, backward_row_capacity: int = 0,
@@ -229,6 +245,7 @@ def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 
     load = torch.as_tensor(np.asarray(load_WE), dtype=torch.int64)
     if load.dim() != 2:
         raise ValueError(f"load_WE must be 2-D (W ranks, E experts), got shape {tuple(load.shape)}")
+    check_slots(replica_slots, symi_slots, load.shape[1])
     prev = None if previous_load_E is None else torch.as_tensor(np.asarray(previous_load_E),
                                                                 dtype=torch.int64)
     (offsets, ranks, fwd, kept, quota, rows, mem, status, reason) = torch.ops.lrmoe.plan(

@@ -19,7 +19,8 @@ from lrmoe import _C  # noqa: F401  (registers the ops)
 from lrmoe.calibrate import load_costs, point_rest
 # the link files live in lrmoe.links (the link benchmark reads them too)
 from lrmoe.links import Links
-from lrmoe.planner import DEFAULT_BALANCE_SLACK, MemoryModel, ModelShape, synthetic_loads
+from lrmoe.planner import (DEFAULT_BALANCE_SLACK, MemoryModel, ModelShape, check_slots,
+                           synthetic_loads)
 
 #: the columns of the op's fields (csrc/ops/sim.cpp kFields, same order); times in ms,
 #: bytes plain; memory parts are each part's maximum over ranks, ``memory_peak`` the
@@ -205,6 +206,7 @@ def simulate(load_SLWE: np.ndarray, policy: str, memory: MemoryModel, costs: Cos
         raise ValueError(f"load_SLWE must be 4-D (steps, layers, W, E), got {tuple(load.shape)}")
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
+    check_slots(replica_slots, symi_slots, load.shape[3])
     gemm = torch.as_tensor(costs.gemm_G4, dtype=torch.float64)
     per_row = [costs.per_row[k] for k in PER_ROW]
     parts, sents, reason, prev = [], [], "", None

@@ -25,6 +25,13 @@ inline planner::PlanInput plan_input(int64_t W, int64_t E, c10::IntArrayRef memo
   const std::string rule(quota_rule);
   LRMOE_CHECK(rule == "proportional" || rule == "water_level",
               "quota_rule must be 'proportional' or 'water_level', got '", rule, "'");
+  // the planner holds slot counts as int32: bound them first, by E, which no policy can
+  // use more of (a rank holds at most one instance of each expert), so that a huge value
+  // is refused instead of wrapping around
+  LRMOE_CHECK(replica_slots <= E, "replica_slots must be <= the number of experts (E=", E,
+              "; a rank holds at most one instance of each expert), got ", replica_slots);
+  LRMOE_CHECK(symi_slots <= E, "symi_slots must be <= the number of experts (E=", E,
+              "; 0: ceil(E / W) + replica_slots), got ", symi_slots);
   planner::PlanInput in;
   in.num_ranks = static_cast<int32_t>(W);
   in.num_experts = static_cast<int32_t>(E);

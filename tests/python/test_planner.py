@@ -129,6 +129,11 @@ def test_toy_hot_expert_replica_freed_by_the_cut():
     (dict(policy="ultraep", replica_slots=0), "replica_slots must be >= 1"),
     (dict(policy="symi", symi_slots=0, load=[[1] * 8] * 4, replica_slots=0), None),
     (dict(policy="megatron"), "policy must be one of"),
+    # the C++ planner holds slot counts as int32: 2^32 + 2 wrapped around to 2
+    (dict(policy="ultraep", replica_slots=(1 << 32) + 2), r"replica_slots must be an int in \[0, E=2\]"),
+    (dict(policy="ultraep", replica_slots=3), "replica_slots must be an int in"),
+    (dict(policy="symi", symi_slots=10 ** 20), "symi_slots must be an int in"),
+    (dict(replica_slots=True), "replica_slots must be an int in"),
 ])
 def test_bad_input_names_the_argument(kwargs, match):
     load = np.asarray(kwargs.get("load", [[1, 2], [3, 4]]))
@@ -143,6 +148,16 @@ def test_bad_input_names_the_argument(kwargs, match):
     else:
         with pytest.raises(ValueError, match=match):
             call()
+
+
+def test_the_op_bounds_slot_counts_itself(monkeypatch):
+    """Past the Python check, the C++ op refuses slots above E rather than wrap them."""
+    monkeypatch.setattr(P, "check_slots", lambda *args: None)
+    for kwargs, name in ((dict(replica_slots=3), "replica_slots"),
+                         (dict(symi_slots=(1 << 32) + 1), "symi_slots")):
+        with pytest.raises((ValueError, RuntimeError),
+                           match=f"{name} must be <= the number of experts \\(E=2"):
+            P.plan([[1, 2], [3, 4]], "ultraep", small_memory(), **kwargs)
 
 
 def test_synthetic_loads_skew_and_totals():
