@@ -156,7 +156,7 @@ def run_sim(args) -> dict:
                          "use --scale 64 128 ... 1024")
     layers = args.layers or shape.moe_layers
     costs = S.Costs.from_file(args.costs, args.costs_shape or args.model)
-    links = S.Links.from_file(args.links)
+    links = S.Links.from_file(args.links, flag="--links")
     t0 = time.time()
     loads = S.cluster_loads(args.gpus, shape.num_experts, args.tokens_per_gpu, shape.top_k,
                             args.steps, layers, args.skew, args.trace, args.seed)

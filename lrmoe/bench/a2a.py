@@ -38,6 +38,14 @@ from lrmoe.links import DEFAULT_LINKS, Links
 
 #: default per-peer message sizes, KiB: 4 KiB (latency-bound) to 64 MiB (bandwidth-bound)
 DEFAULT_SIZES_KIB = (4, 16, 64, 256, 1024, 4096, 16384, 65536)
+#: the largest per-peer size, KiB (16 GiB): each rank holds 2 x W x size bytes, so even at
+#: W = 2 this is 64 GiB, and larger sizes only measure the same bandwidth again
+MAX_SIZE_KIB = 16 << 20
+#: the most timed (and untimed) calls per size: the median is settled long before
+MAX_ITERS = 10_000
+#: the file a sweep whose fit failed is written to, so that a good earlier a2a.json,
+#: a2a.md and links.yaml in the same folder stay a consistent set
+FAILED_JSON = "a2a_failed.json"
 
 
 def fit_link(bytes_N: Sequence[float], ms_N: Sequence[float]) -> Tuple[float, float]:
@@ -116,7 +124,8 @@ def measure(sizes_kib: Sequence[int], iters: int, warmup: int, device: torch.dev
         group: the process group (None: the default group).
 
     Raises:
-        ValueError: a rank could not allocate a size's buffers (on every rank alike).
+        ValueError: a rank could not allocate a size's buffers (``torch.OutOfMemoryError``
+            on CUDA, the CPU allocator's ``RuntimeError``), raised on every rank alike.
 
     Returns:
         One record per size: ``bytes_per_peer``, ``off_rank_bytes`` ((W - 1) x
@@ -133,7 +142,11 @@ def measure(sizes_kib: Sequence[int], iters: int, warmup: int, device: torch.dev
             x = torch.empty(world * per_peer, dtype=torch.uint8, device=device).fill_(1)
             y = torch.empty_like(x)
             ok = 1.0
-        except torch.OutOfMemoryError:
+        except RuntimeError as err:
+            # torch.OutOfMemoryError on CUDA; the CPU allocator raises a plain RuntimeError
+            # ("DefaultCPUAllocator: can't allocate memory"). Anything else is a bug to see.
+            if not (isinstance(err, torch.OutOfMemoryError) or "allocate" in str(err)):
+                raise
             x = y = None
             ok = 0.0
         # every rank learns of one rank's failed allocation, instead of waiting for it in
@@ -192,28 +205,34 @@ def bench_a2a(sizes_kib: Sequence[int], iters: int, warmup: int, device_name: Op
 
     Raises:
         ValueError: not under torchrun or fewer than 2 ranks, a world spanning nodes, a
-            size below 1 KiB or fewer than two distinct sizes, ``--iters`` < 1 or
-            ``--warmup`` < 0, an unwritable ``--out``, a ``--base-links`` file the
-            simulator cannot read (checked before measuring), or a failed fit (see
-            :func:`fit_link`; the measured sizes are written to ``a2a.json`` first).
+            size below 1 KiB or above :data:`MAX_SIZE_KIB` or fewer than two distinct
+            sizes, ``--iters`` outside 1..:data:`MAX_ITERS` or ``--warmup`` outside
+            0..:data:`MAX_ITERS`, an unwritable ``--out``, a ``--base-links`` file the
+            simulator cannot read (checked before measuring), a size a rank cannot
+            allocate, or a failed fit (see :func:`fit_link`). A failed fit writes the
+            measured sizes to ``a2a_failed.json`` and leaves ``a2a.json``, ``a2a.md``
+            and ``links.yaml`` of an earlier run untouched; the message says so.
         FileNotFoundError: no ``--base-links`` file.
     """
     from lrmoe.parallel import init_torchrun_group
 
     check_output("--out", out_dir, is_dir=True)
-    if iters < 1 or warmup < 0:
-        raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {iters}, {warmup}")
+    if not (1 <= iters <= MAX_ITERS and 0 <= warmup <= MAX_ITERS):
+        raise ValueError(f"--iters must be in 1..{MAX_ITERS} and --warmup in "
+                         f"0..{MAX_ITERS}, got {iters}, {warmup}")
     if not sizes_kib or min(sizes_kib) < 1:
         raise ValueError(f"--sizes-kib must be >= 1 KiB each, got {list(sizes_kib)}")
+    if max(sizes_kib) > MAX_SIZE_KIB:
+        raise ValueError(f"--sizes-kib must be at most {MAX_SIZE_KIB} KiB (16 GiB per "
+                         f"peer) each, got {max(sizes_kib)}: every rank allocates 2 x W x "
+                         "that size, already 64 GiB at W = 2, and the bandwidth is "
+                         "settled long before; drop the larger sizes")
     if len(set(sizes_kib)) < 2:
         raise ValueError(f"--sizes-kib needs at least two distinct sizes to fit latency and "
                          f"bandwidth, got {list(sizes_kib)}")
     base_path = Path(base_links) if base_links else DEFAULT_LINKS
-    try:  # the simulator's own reader, before any measuring
-        Links.from_file(str(base_path))
-    except (FileNotFoundError, ValueError) as err:
-        raise type(err)(f"--base-links: {err}") from None
-    base = yaml.safe_load(base_path.read_text())
+    Links.from_file(str(base_path), flag="--base-links")  # the simulator's reader, first
+    base = yaml.safe_load(base_path.read_text(encoding="utf-8"))
     world = int(os.environ.get("WORLD_SIZE", "0") or 0)
     if world < 2:
         raise ValueError("bench a2a times an all-to-all between ranks: launch it with "
@@ -241,13 +260,22 @@ def bench_a2a(sizes_kib: Sequence[int], iters: int, warmup: int, device_name: Op
     meta = {"device": name, "world_size": world, "backend": backend, "date": date,
             "command": command, "iters": iters, "warmup": warmup,
             "base_links": str(base_path)}
-    if rank0:  # the measurements first: a fit that fails keeps them
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "a2a.json").write_text(json.dumps({"meta": meta, "fit": None,
-                                                  "records": records}, indent=1) + "\n")
-    # every rank has the same records (max over ranks): the fit is the same everywhere
-    latency_us, GBps = fit_link([r["off_rank_bytes"] for r in records],
-                                [r["ms"] for r in records])
+    # every rank has the same records (max over ranks): the fit fails or not everywhere
+    try:
+        latency_us, GBps = fit_link([r["off_rank_bytes"] for r in records],
+                                    [r["ms"] for r in records])
+    except ValueError as err:
+        # beside, not over, an earlier run's files: its links.yaml and a2a.md describe
+        # its a2a.json, and the minutes of this sweep are kept for a look all the same
+        if rank0:
+            _write_files(out, {FAILED_JSON: json.dumps(
+                {"meta": meta, "fit": None, "error": str(err), "records": records},
+                indent=1) + "\n"})
+        earlier = [f for f in ("a2a.json", "a2a.md", "links.yaml") if (out / f).exists()]
+        kept = (f"; {', '.join(earlier)} of the earlier run in {out} are untouched"
+                if earlier else "")
+        raise ValueError(f"{err} (the {len(records)} measured sizes are in "
+                         f"{out / FAILED_JSON}{kept})") from None
     for r in records:
         r["fit_ms"] = latency_us / 1e3 + r["off_rank_bytes"] / (GBps * 1e6)
         r["fit_err_pct"] = 100.0 * (r["fit_ms"] / r["ms"] - 1.0)
@@ -260,10 +288,26 @@ def bench_a2a(sizes_kib: Sequence[int], iters: int, warmup: int, device_name: Op
     doc = links_document(latency_us, GBps, gpus_per_node, base, source)
     result = {"meta": meta, "fit": {"latency_us": latency_us, "GBps": GBps},
               "records": records}
-    (out / "a2a.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "links.yaml").write_text(yaml.safe_dump(doc, sort_keys=False, width=88))
-    (out / "a2a.md").write_text(markdown(result))
+    _write_files(out, {"a2a.json": json.dumps(result, indent=1) + "\n",
+                       "links.yaml": yaml.safe_dump(doc, sort_keys=False, width=88),
+                       "a2a.md": markdown(result)})
     return result
+
+
+def _write_files(out: Path, texts: Dict[str, str]) -> None:
+    """Write ``{name: text}`` into ``out`` (created if missing): all to temporary files
+    first, then renamed over the old ones, so that a write failing half-way (a full disk)
+    leaves the earlier files whole instead of a truncated or mixed set."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = {name: out / f".{name}.tmp" for name in texts}
+    try:
+        for name, text in texts.items():
+            tmp[name].write_text(text, encoding="utf-8")
+        for name in texts:
+            os.replace(tmp[name], out / name)
+    finally:
+        for t in tmp.values():
+            t.unlink(missing_ok=True)
 
 
 def markdown(result: Dict[str, Any]) -> str:

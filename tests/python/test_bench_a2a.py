@@ -89,9 +89,11 @@ def test_without_torchrun_names_torchrun(tmp_path):
     assert r.returncode == 2 and "torchrun --nproc-per-node N" in r.stderr, r.stderr
 
 
-def _one_rank_out_of_memory(rank, world):
+def _one_rank_out_of_memory(rank, world, kind):
     """Rank 1 cannot allocate the 2nd size's buffers: every rank raises the same
-    ValueError at once (within the 10 s collective timeout, not waiting for rank 1)."""
+    ValueError at once (within the 10 s collective timeout, not waiting for rank 1).
+    ``kind``: the CUDA caching allocator's error, or the CPU allocator's (a plain
+    RuntimeError, as torch.empty raises it for more bytes than the machine has)."""
     import torch
 
     from lrmoe.bench import a2a
@@ -100,7 +102,11 @@ def _one_rank_out_of_memory(rank, world):
 
     def empty(*shape, **kw):
         if rank == 1 and shape and shape[0] >= 2 * 64 * 1024:
-            raise torch.OutOfMemoryError("test: no memory")
+            if kind == "cuda":
+                raise torch.OutOfMemoryError("test: no memory")
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. "
+                               "DefaultCPUAllocator: can't allocate memory: you tried to "
+                               "allocate 131072 bytes. Error code 12 (Cannot allocate memory)")
         return real(*shape, **kw)
     torch.empty = empty
     try:
@@ -110,6 +116,76 @@ def _one_rank_out_of_memory(rank, world):
         torch.empty = real
 
 
-def test_one_rank_out_of_memory_stops_every_rank():
+@pytest.mark.parametrize("kind", ["cuda", "cpu"])
+def test_one_rank_out_of_memory_stops_every_rank(kind):
     from test_expert_parallel import _spawn
-    _spawn(_one_rank_out_of_memory, "gloo", 2, timeout_s=10)
+    _spawn(_one_rank_out_of_memory, "gloo", 2, kind, timeout_s=10)
+
+
+def _usage_error(argv, capsys, *needles):
+    """``lrmoe ARGV`` ends in exit status 2 and one line holding every needle."""
+    from lrmoe import cli
+    assert cli.main(argv) == cli.EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for n in needles:
+        assert n in err, err
+
+
+@pytest.mark.parametrize("flags, needles", [
+    # 1e17 KiB overflowed torch.empty's int64 size (a TypeError and a C++ frame dump)
+    (["--sizes-kib", "4", "99999999999999999"], ("--sizes-kib", "at most 16777216 KiB",
+                                                 "got 99999999999999999")),
+    # 16 GiB + 1 KiB: the first size over the bound (16 x 2^20 KiB)
+    (["--sizes-kib", "4", str((16 << 20) + 1)], ("--sizes-kib", "16 GiB per peer")),
+    (["--sizes-kib", "4", "64", "--iters", "10001"], ("--iters must be in 1..10000",)),
+    (["--sizes-kib", "4", "64", "--warmup", "10001"], ("--warmup in 0..10000",))])
+def test_absurd_sizes_and_iters_are_refused_before_measuring(tmp_path, capsys, flags,
+                                                               needles):
+    out = tmp_path / "a2a"
+    _usage_error(["bench", "a2a", "--device", "cpu", *flags, "--out", str(out)], capsys,
+                 *needles)
+    assert not out.exists()
+
+
+def test_a_broken_base_links_names_the_flag_and_the_file(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [\n")
+    _usage_error(["bench", "a2a", "--device", "cpu", "--base-links", str(bad), "--out",
+                  str(tmp_path / "a2a")], capsys, f"--base-links {bad}: not valid YAML")
+
+
+def test_a_failed_fit_keeps_the_earlier_run(tmp_path, monkeypatch):
+    """A sweep whose times shrink with the size (no bandwidth to fit) into a folder of a
+    good earlier run: its a2a.json, a2a.md and links.yaml stay byte for byte, the new
+    records go to a2a_failed.json, and the message says both. One process: the group
+    and the measurement are stand-ins (the records are what the fit sees)."""
+    import lrmoe.parallel
+    from lrmoe.bench import a2a
+
+    out = tmp_path / "a2a"
+    out.mkdir()
+    earlier = {"a2a.json": '{"fit": {"GBps": 1.0}}\n', "a2a.md": "earlier\n",
+               "links.yaml": "name: earlier\n"}
+    for name, text in earlier.items():
+        (out / name).write_text(text)
+    # 4 and 5 KiB per peer, W = 2 (one peer): 2 ms then 1 ms, slower for fewer bytes
+    records = [{"bytes_per_peer": 4096, "off_rank_bytes": 4096, "ms": 2.0, "GBps": 0.002048},
+               {"bytes_per_peer": 5120, "off_rank_bytes": 5120, "ms": 1.0, "GBps": 0.00512}]
+    for k, v in (("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2"), ("RANK", "0")):
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(lrmoe.parallel, "init_torchrun_group", lambda *a, **k: "gloo")
+    monkeypatch.setattr(a2a, "measure", lambda *a, **k: [dict(r) for r in records])
+    monkeypatch.setattr(a2a.dist, "barrier", lambda *a, **k: None)
+    with pytest.raises(ValueError) as err:
+        a2a.bench_a2a([4, 5], 1, 0, "cpu", str(out), None, "the command")
+    msg = str(err.value)
+    assert "do not grow with the message size" in msg
+    assert f"{out / 'a2a_failed.json'}" in msg
+    assert "a2a.json, a2a.md, links.yaml of the earlier run" in msg and "untouched" in msg
+    for name, text in earlier.items():
+        assert (out / name).read_text() == text, name
+    failed = json.loads((out / "a2a_failed.json").read_text())
+    assert failed["fit"] is None and failed["records"] == records
+    assert failed["meta"]["command"] == "the command"
+    assert sorted(p.name for p in out.iterdir()) == sorted([*earlier, "a2a_failed.json"])
