@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import sys
 from typing import List, Optional
@@ -110,6 +111,26 @@ def _check_policies(args: argparse.Namespace) -> None:
     args.replica_slots = slots
 
 
+def _check_trace(args: argparse.Namespace) -> None:
+    """``--routing trace`` needs a readable ``--trace`` recorded with every shape's E and
+    K: checked before the first case runs, not when the trace's turn comes."""
+    if "trace" not in args.routing:
+        return
+    if not args.trace:
+        raise ValueError("--routing trace needs --trace PATH (a .npz from `lrmoe train "
+                         "--record-trace PATH`)")
+    from lrmoe.trace import load_trace
+
+    meta, _ = load_trace(args.trace)
+    for name in args.shapes:
+        d = SHAPES[name]
+        if (meta["num_experts"], meta["top_k"]) != (d["experts"], d["top_k"]):
+            raise ValueError(f"--trace {args.trace} was recorded with E={meta['num_experts']}, "
+                             f"K={meta['top_k']}, but --shapes {name} has E={d['experts']}, "
+                             f"K={d['top_k']}; record a trace of that shape or drop it from "
+                             "--shapes")
+
+
 def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dict:
     """Run ``bench layer`` from parsed arguments and print the targets table.
 
@@ -151,12 +172,16 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
             raise ValueError(f"{flag} must be >= {lo}, got {v}")
     if any(not 0 <= c < 1 for c in args.rates):
         raise ValueError(f"--rates are recalibration rates c in [0, 1), got {args.rates}")
+    if args.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        # --ep would otherwise run anything that is not cuda* on gloo and the CPU
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     if (args.device or "").startswith("cuda"):
         import torch
         if not torch.cuda.is_available():
             raise ValueError(f"--device {args.device}: no CUDA device here; use --device cpu")
     if args.append_md:
         check_output("--append-md", args.append_md, is_dir=False)
+    _check_trace(args)
     _check_policies(args)
     if args.ep is not None and args.offload != "none":
         raise ValueError("--offload is measured by the one-device benchmark; drop --ep (the "

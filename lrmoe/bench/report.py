@@ -307,6 +307,8 @@ def write_reports(result: dict, md: str, out_dir: str, stem: str,
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     (out / f"{stem}.md").write_text(md)
     if append_md:
+        # check_output (lrmoe/paths.py) let missing folders pass: make them
+        Path(append_md).parent.mkdir(parents=True, exist_ok=True)
         with open(append_md, "a") as f:
             f.write("\n" + md)
     return out

@@ -138,6 +138,28 @@ def test_bench_layer_checks_out_and_profile_dir_before_timing(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
 
 
+def test_bench_layer_checks_device_and_trace_before_timing(tmp_path, capsys):
+    """A --device typo under --ep ran on gloo and the CPU; a missing or mismatched
+    --trace failed after the routings before it had been timed."""
+    import torch
+
+    from lrmoe.trace import RoutingTrace
+
+    out = ["--out", str(tmp_path / "o")]
+    for device in ("banana", "gpu", "cuda0"):
+        _usage_error(["bench", "layer", "--smoke", "--device", device, *out], capsys,
+                     rf"--device must be cpu, cuda or cuda:N, got '{device}'")
+    base = ["bench", "layer", "--shapes", "smoke", "--device", "cpu", *out]
+    _usage_error(base + ["--routing", "uniform", "trace"], capsys,
+                 r"--routing trace needs --trace PATH")
+    trace = RoutingTrace(num_experts=3, top_k=1)  # the smoke shape is not E=3, K=1
+    trace.record(0, torch.zeros((4, 1), dtype=torch.int64))
+    path = trace.save(tmp_path / "t.npz")
+    _usage_error(base + ["--routing", "uniform", "trace", "--trace", str(path)], capsys,
+                 r"--trace .*t\.npz was recorded with E=3, K=1, but --shapes smoke has")
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("text", ["1.2.3", ".", "80 GiBs", "-1", "abc"])
 def test_memory_budget_typos_name_the_flag_and_the_fix(text):
     from lrmoe.training.config import ParallelConfig
