@@ -36,6 +36,7 @@ import argparse
 import copy
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
@@ -148,6 +149,29 @@ def sft_args(args, checkpoint: Path) -> argparse.Namespace:
     return ft
 
 
+def fine_tune_problem(ft: argparse.Namespace, cells: Sequence[Cell], out: Path
+                      ) -> Optional[str]:
+    """Why the fine-tunes could not start, found before the base pre-trains (minutes on a
+    GPU) rather than by every fine-tune after it: the ``--sft-data`` file read as the
+    fine-tunes will read it, and the first fine-tune's ``lrmoe train`` configuration
+    composed and validated (``--print-config``, which does not need the base's checkpoint
+    to exist yet). None when both are fine."""
+    from lrmoe.data.sources import read_alpaca
+
+    try:
+        read_alpaca(Path(ft.sft_data))
+    except ValueError as err:
+        return f"--sft-data: {err}"
+    cmd = [sys.executable, "-m", "lrmoe", "train", *recipe.base_args(ft), *cells[0].args,
+           "--steps", str(ft.steps), "--out", str(out / cells[0].name), "--print-config"]
+    got = subprocess.run(cmd, capture_output=True, text=True)
+    if got.returncode != 0:
+        why = (got.stderr.strip().splitlines() or ["(no message)"])[-1]
+        return (f"the fine-tunes would not start: {why} (set by --sft-set, --sft-lr, "
+                "--sft-min-lr, --sft-warmup or --set)")
+    return None
+
+
 def check_base(out: Path, checkpoint: Path, cells: Sequence[Cell]) -> None:
     """Refuse a grid directory whose fine-tunes were started from another base than
     ``checkpoint`` (``out/base.json``): mixing them would compare fine-tunes of different
@@ -159,7 +183,15 @@ def check_base(out: Path, checkpoint: Path, cells: Sequence[Cell]) -> None:
     path = out / BASE_FILE
     if not path.is_file():
         return
-    before = json.loads(path.read_text()).get("checkpoint")
+    try:
+        record = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        record = None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path} is not the record this recipe writes ({{\"checkpoint\": "
+                         f"PATH}}); restore it, or delete it if every fine-tune in {out} is "
+                         "of the base there")
+    before = record.get("checkpoint")
     started = [c.name for c in cells if (out / c.name).exists()]
     if not before:  # a base.json without its checkpoint records nothing to compare
         return
@@ -287,6 +319,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"(--steps {args.sft_steps})")
     elif not args.analyse_only:
         check_base(out, checkpoint, cells)
+        problem = fine_tune_problem(ft, cells, out)
+        if problem is not None:
+            p.error(problem)
         try:
             status = _grid.run_grid([base_cell(args)], out, recipe.base_args(args),
                                     args.pretrain_steps)

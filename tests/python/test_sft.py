@@ -7,6 +7,7 @@ the fine-tuning validation data (plain transformers model loaded from the base c
 and comparing it with the step-0 evaluation of every fine-tune.
 """
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -308,3 +309,37 @@ def test_base_check_refuses_another_base_not_another_spelling(tmp_path):
     with pytest.raises(ValueError, match="use another --out"):
         sft.check_base(out, out / "base-c0-s1" / "checkpoints" / "step-00000300", cells)
     sft.check_base(out, out / "base-c0-s1" / "checkpoints" / "step-00000300", [])  # none started
+
+
+def test_fine_tune_problems_are_found_before_the_base_trains(tmp_path, wordnet_dir, capsys):
+    """A bad fine-tune setting or a data file the fine-tunes cannot read stops the recipe
+    at once, before the base pre-trains (which they used to wait for, then all fail)."""
+    data = tmp_path / "wn.jsonl"
+    W.build(data, wordnet_dir)
+    bad = tmp_path / "bad.txt"
+    bad.write_text("not json\n")
+    out = tmp_path / "grid"
+    argv = ["--preset", "tiny", "--device", "cpu", "--seeds", "0", "--out", str(out),
+            "--pretrain-data", f"text:{ROOT / 'docs' / 'algorithm.md'}",
+            "--pretrain-steps", "2", "--sft-steps", "2", "--settings", "lrm:topk",
+            "--rates", "0.3", *[x for s in MICRO for x in ("--set", s)]]
+    for extra, match in ((["--sft-data", str(bad)], r"--sft-data: .*bad\.txt, line 1: "
+                                                    r"malformed JSON"),
+                         (["--sft-data", str(data), "--sft-set", "bogus.key=1"],
+                          r"the fine-tunes would not start: .*unknown config key 'bogus\.key'"),
+                         (["--sft-data", str(data), "--sft-lr", "-1"],
+                          r"the fine-tunes would not start: .*optim\.lr must be")):
+        with pytest.raises(SystemExit) as exc:
+            sft.main(argv + extra)
+        assert exc.value.code == 2
+        assert re.search(match, capsys.readouterr().err)
+        assert not (out / "base-c0-s0").exists(), "the base trained before the check"
+
+
+@pytest.mark.parametrize("text", ["[1]", '{"checkpoint": ', "\xff"])
+def test_a_broken_base_record_is_named(tmp_path, text):
+    out = tmp_path / "grid"
+    out.mkdir()
+    (out / sft.BASE_FILE).write_text(text)
+    with pytest.raises(ValueError, match=r"base\.json is not the record this recipe writes"):
+        sft.check_base(out, out / "base-c0-s0" / "checkpoints" / "step-00000002", [])
