@@ -139,7 +139,7 @@ def run_sim(args) -> dict:
                              f"multiple of it (e.g. --scale 64 128 256 512 1024)")
     # inputs read only after the simulation, and the output, are checked before it
     if args.validate is not None:
-        read_bench(args.validate)  # its structure, before the simulation runs
+        read_bench(args.validate, args.costs)  # its records and shapes, before the simulation
     for flag, f in (("--trace", args.trace), ("--results", args.results)):
         if f is not None and not Path(f).is_file():
             raise FileNotFoundError(f"{flag} {f}: no such file")

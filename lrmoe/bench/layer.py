@@ -265,7 +265,9 @@ def bench_layer(shapes: Sequence[str], tokens: Sequence[int], routings: Sequence
     targets = check_targets(records, ceilings)
     meta = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
                 device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU",
-                command=command, iters=iters, methods=methods, offload=offload)
+                command=command, iters=iters, methods=methods, offload=offload,
+                # lrmoe sim --validate simulates the same input sets and checks the dtype
+                rotate=rotate, dtype=dtype)
     result = dict(records=records, ceilings=ceilings, targets=targets, meta=meta)
     out = write_reports(result, markdown(records, ceilings, targets, meta), out_dir,
                         "layer_bench", append_md)

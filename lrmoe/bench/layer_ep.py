@@ -263,8 +263,10 @@ def _add_ratios(records: List[dict]) -> None:
                                 if c0 and c0["a2a_bytes_bwd"] else None)
 
 
-def _meta(command: str, device: torch.device, iters: int, warmup: int, rotate: int) -> dict:
-    """Run facts, gathered from every rank (a collective)."""
+def _meta(command: str, device: torch.device, iters: int, warmup: int, rotate: int,
+          dtype: str) -> dict:
+    """Run facts, gathered from every rank (a collective); ``dtype`` as given
+    (``bfloat16``), which ``lrmoe sim --validate`` compares with the cost file's."""
     mine = {"host": socket.gethostname(),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"}
     every: List[Optional[dict]] = [None] * dist.get_world_size()
@@ -276,7 +278,7 @@ def _meta(command: str, device: torch.device, iters: int, warmup: int, rotate: i
                 cuda=torch.version.cuda, nccl=nccl, world_size=dist.get_world_size(),
                 backend=str(dist.get_backend()), device=" + ".join(devices),
                 hosts=sorted({m["host"] for m in every}), command=command, iters=iters,
-                warmup=warmup, rotate=rotate, tokens="per rank",
+                warmup=warmup, rotate=rotate, dtype=dtype, tokens="per rank",
                 routing_seed=f"set s of rank r: s + {ROUTING_SEED_STRIDE} r")
 
 
@@ -336,7 +338,7 @@ def bench_layer_ep(ep: int, shapes: Sequence[str], tokens: Sequence[int],
     try:
         dev = (torch.device("cuda", torch.cuda.current_device()) if use_cuda
                else torch.device("cpu"))
-        meta = _meta(command, dev, iters, warmup, rotate)
+        meta = _meta(command, dev, iters, warmup, rotate, dtype)
         meta["replica_slots"] = replica_slots  # what lrmoe sim --validate plans with
         # the profiler's first start takes long (hundreds of ms on some ranks): pay it
         # here, so the barrier before each profiled step lines the ranks up
