@@ -62,18 +62,24 @@ def base_args(args: argparse.Namespace) -> List[str]:
 
 
 def usage_error(args: argparse.Namespace, out: Path) -> Optional[str]:
-    """The first bad shared option as one line naming the flag (``--steps`` < 1, no
-    seeds, ``--jobs`` < 1, ``--last-evals`` < 1, an ``--out`` that is a file), or None."""
+    """The first bad shared option as one line naming the flag (``--steps`` < 1, no or
+    repeated seeds, ``--jobs`` < 1, ``--last-evals`` < 1, an ``--out`` that is a file, or
+    ``--analyse-only`` of an ``--out`` that does not exist), or None."""
     if args.steps < 1:
         return f"--steps must be >= 1, got {args.steps}"
     if not args.seeds:
         return "--seeds needs at least one seed"
+    if len(set(args.seeds)) != len(args.seeds):
+        return f"--seeds lists a seed twice ({' '.join(map(str, args.seeds))}); list each once"
     if args.jobs < 1:
         return f"--jobs must be >= 1, got {args.jobs}"
     if args.last_evals < 1:
         return f"--last-evals must be >= 1, got {args.last_evals}"
     if out.exists() and not out.is_dir():
         return f"--out {out} is a file; name a folder for the grid's runs and report"
+    if getattr(args, "analyse_only", False) and not out.is_dir():
+        return (f"--out {out}: no grid there to analyse; run the command without "
+                "--analyse-only first (or name the folder that holds the runs)")
     return None
 
 

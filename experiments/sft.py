@@ -290,6 +290,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parse_settings(args.adaptive_settings, "--adaptive-settings")
     except ValueError as e:
         p.error(str(e))
+    out = Path(args.out or f"runs/experiments/{RECIPE}-{args.preset}")
+    usage = recipe.usage_error(args, out)
+    if usage is not None:  # before the base pretraining; repeated seeds before the cells
+        p.error(usage)
     names = [c.name for c in sft_cells(args)]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:  # before the base pre-trains, not when the grid starts after it
@@ -304,10 +308,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.analyse_only and not Path(args.sft_data).is_file():
         p.error(f"--sft-data {args.sft_data}: no such file; build it with `lrmoe data "
                 f"wordnet-alpaca --out {args.sft_data}` or give an Alpaca JSON/JSONL file")
-    out = Path(args.out or f"runs/experiments/{RECIPE}-{args.preset}")
-    usage = recipe.usage_error(args, out)
-    if usage is not None:  # before the base pretraining, not after it
-        p.error(usage)
     args.out = str(out)
     checkpoint = base_checkpoint(out, args)
     cells = sft_cells(args)

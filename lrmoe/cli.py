@@ -340,8 +340,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"lrmoe {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print(f"lrmoe {args.command}: aborted by Ctrl-C (nothing saved since the last "
-              "checkpoint)", file=sys.stderr)
+        # only training has checkpoints; a benchmark or a simulation leaves its earlier
+        # files as they were (each writes its outputs when it has finished)
+        what = (" (nothing saved since the last checkpoint)" if args.command == "train"
+                else "; earlier output files are as they were")
+        print(f"lrmoe {args.command}: aborted by Ctrl-C{what}", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 

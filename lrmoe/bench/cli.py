@@ -172,6 +172,12 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
             raise ValueError(f"{flag} must be >= {lo}, got {v}")
     if any(not 0 <= c < 1 for c in args.rates):
         raise ValueError(f"--rates are recalibration rates c in [0, 1), got {args.rates}")
+    for flag, values in (("--rates", args.rates), ("--shapes", args.shapes),
+                         ("--tokens", args.tokens), ("--routing", args.routing),
+                         ("--methods", args.methods or [])):
+        if len(set(values)) != len(values):  # each repeat would be timed as its own row
+            raise ValueError(f"{flag} lists a value twice ({' '.join(map(str, values))}); "
+                             "list each once")
     if args.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         # --ep would otherwise run anything that is not cuda* on gloo and the CPU
         raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")

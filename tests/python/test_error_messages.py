@@ -126,6 +126,13 @@ def test_recipes_usage_errors_exit_2_without_traceback(tmp_path, recipe):
                               str(tmp_path / "r")], capture_output=True, text=True, timeout=120)
         assert got.returncode == 2 and "Traceback" not in got.stderr, got.stderr
         assert "--sft-data PATH is required" in got.stderr, got.stderr
+    for bad, says in ((["--seeds", "0", "0"], "--seeds lists a seed twice"),
+                      (["--analyse-only", "--out", str(tmp_path / "none")],
+                       "no grid there to analyse")):
+        got = subprocess.run([sys.executable, str(script), *extra, *bad], capture_output=True,
+                             text=True, timeout=120)
+        assert got.returncode == 2 and "Traceback" not in got.stderr, got.stderr
+        assert says in got.stderr, got.stderr
 
 
 def test_bench_layer_checks_out_and_profile_dir_before_timing(tmp_path, capsys):
@@ -158,6 +165,8 @@ def test_bench_layer_checks_device_and_trace_before_timing(tmp_path, capsys):
     _usage_error(base + ["--routing", "uniform", "trace", "--trace", str(path)], capsys,
                  r"--trace .*t\.npz was recorded with E=3, K=1, but --shapes smoke has")
     assert not (tmp_path / "o").exists()
+    for flag, values in (("--rates", ["0.1", "0.1"]), ("--routing", ["skewed", "skewed"])):
+        _usage_error(base + [flag, *values], capsys, rf"{flag} lists a value twice")
 
 
 @pytest.mark.parametrize("text", ["1.2.3", ".", "80 GiBs", "-1", "abc"])
