@@ -136,8 +136,11 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
 
     Raises:
         ValueError: bad ``--policies`` / ``--replica-slots`` (:func:`_check_policies`),
-            ``--tokens`` below 1, ``--tokens`` together with ``--smoke`` (which
-            fixes 256), several torchrun processes without ``--ep``, or ``--offload``,
+            ``--tokens`` below 1; ``--tokens``, ``--shapes``, ``--iters``, ``--warmup``,
+            ``--rotate`` or ``--transformers-iters`` together with ``--smoke`` (which
+            fixes them); repeated values of a list option; a ``--device`` other than
+            cpu, cuda or cuda:N; ``--routing trace`` without a matching ``--trace``;
+            several torchrun processes without ``--ep``, or ``--offload``,
             ``--profile-dir`` or ``--cuda-graph`` with ``--ep``; an ``--out``,
             ``--profile-dir`` or ``--append-md`` that cannot be written
             (:func:`lrmoe.paths.check_output`); ``--iters``/``--rotate``/
@@ -149,9 +152,14 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
         check_output("--profile-dir", args.profile_dir, is_dir=True)
     if min(args.tokens) < 1:
         raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
-    if args.smoke and list(args.tokens) != list(DEFAULT_TOKENS):
-        raise ValueError("--smoke runs 256 tokens; drop --tokens, or drop --smoke to time "
-                         f"--tokens {' '.join(map(str, args.tokens))}")
+    if args.smoke:
+        # --smoke fixes these; a value given beside it would be dropped without a word
+        defaults = add_layer_arguments(argparse.ArgumentParser()).parse_args([])
+        for dest in ("tokens", "shapes", "iters", "warmup", "rotate", "transformers_iters"):
+            if getattr(args, dest) != getattr(defaults, dest):
+                flag = "--" + dest.replace("_", "-")
+                raise ValueError(f"--smoke fixes {flag} (shape smoke, 256 tokens, 2 "
+                                 f"iterations); drop {flag}, or drop --smoke to time it")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.ep is None and world > 1:
         raise ValueError(f"torchrun started {world} processes but --ep is not given: pass "

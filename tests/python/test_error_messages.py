@@ -167,6 +167,9 @@ def test_bench_layer_checks_device_and_trace_before_timing(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
     for flag, values in (("--rates", ["0.1", "0.1"]), ("--routing", ["skewed", "skewed"])):
         _usage_error(base + [flag, *values], capsys, rf"{flag} lists a value twice")
+    for flag, value in (("--iters", "50"), ("--shapes", "glm-4.5-air"), ("--tokens", "512")):
+        _usage_error(["bench", "layer", "--smoke", "--device", "cpu", *out, flag, value],
+                     capsys, rf"--smoke fixes {flag} .*; drop {flag}, or drop --smoke")
 
 
 @pytest.mark.parametrize("text", ["1.2.3", ".", "80 GiBs", "-1", "abc"])
