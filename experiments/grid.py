@@ -26,7 +26,6 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -105,9 +104,15 @@ def cell_state(run_dir: Path, steps: int) -> str:
 def _run(cmd: List[str], log_path: Path, prefix: str = "",
          procs: Optional[Dict[int, subprocess.Popen]] = None) -> int:
     """Run ``cmd``, its output appended to ``log_path`` and echoed (each line after
-    ``prefix`` when several cells run at once); SIGINT is passed on to the child (which
-    saves a checkpoint) and then raised here. ``procs`` registers the child while it runs,
-    so that the runner can pass a Ctrl-C on to every cell of a parallel grid."""
+    ``prefix`` when several cells run at once), to the child's end; a Ctrl-C meanwhile is
+    raised here as KeyboardInterrupt once the child has ended. ``procs`` registers the
+    child while it runs.
+
+    The child stays in the runner's process group, so a terminal's Ctrl-C (or ``timeout
+    -s INT``, or ``kill -INT -PGID``) reaches it directly: the first makes the trainer save
+    a checkpoint and stop, a second aborts it. The runner passes nothing on, so that each
+    Ctrl-C is one SIGINT to the trainer; a SIGINT sent to the runner's pid alone does not
+    reach the cells (send it to the group)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a") as log:
         log.write(f"$ {' '.join(cmd)}\n")
@@ -117,25 +122,25 @@ def _run(cmd: List[str], log_path: Path, prefix: str = "",
         if procs is not None:
             procs[proc.pid] = proc
         assert proc.stdout is not None
-
-        def copy_output() -> None:
-            for line in proc.stdout:
-                log.write(line)
-                sys.stdout.write(prefix + line)
-
+        interrupted = False
         try:
-            copy_output()
-            return proc.wait()
-        except KeyboardInterrupt:
-            # the trainer counts this SIGINT and a terminal's (sent to the whole group)
-            # as one Ctrl-C (lrmoe/training/trainer.py, SIGINT_REPEAT_S), so it saves
-            proc.send_signal(signal.SIGINT)
-            copy_output()  # its last lines name the checkpoint: keep them in the log
-            proc.wait()
-            raise
+            while True:
+                try:
+                    for line in proc.stdout:
+                        log.write(line)
+                        sys.stdout.write(prefix + line)
+                    break
+                except KeyboardInterrupt:
+                    # keep reading: leaving would close the pipe under the child, whose
+                    # next line would then kill it before its checkpoint
+                    interrupted = True
+            rc = proc.wait()
         finally:
             if procs is not None:
                 procs.pop(proc.pid, None)
+        if interrupted:
+            raise KeyboardInterrupt
+        return rc
 
 
 def run_grid(cells: Sequence[Cell], root: str | os.PathLike, base_args: Sequence[str],
@@ -168,7 +173,8 @@ def run_grid(cells: Sequence[Cell], root: str | os.PathLike, base_args: Sequence
 
     Raises:
         ValueError: duplicate cell names, ``steps < 1`` or ``jobs < 1``.
-        KeyboardInterrupt: Ctrl-C (the running cell has saved a checkpoint).
+        KeyboardInterrupt: Ctrl-C, after every running cell has ended (the Ctrl-C made
+            each save a checkpoint and stop; a second one aborts them).
     """
     names = [c.name for c in cells]
     if len(set(names)) != len(names):
@@ -219,8 +225,8 @@ def run_grid(cells: Sequence[Cell], root: str | os.PathLike, base_args: Sequence
         for item in todo:
             one(*item)
         return status
-    # Worker threads only wait on their child processes; Ctrl-C reaches the main thread,
-    # which passes it on to every running cell (each saves a checkpoint) and stops.
+    # Worker threads only wait on their child processes; a Ctrl-C reaches every cell (one
+    # process group) and the main thread, which starts no new cell and waits for them.
     pending = list(reversed(todo))
     lock = threading.Lock()
 
@@ -241,11 +247,14 @@ def run_grid(cells: Sequence[Cell], root: str | os.PathLike, base_args: Sequence
             for t in threads:
                 t.join(timeout=0.2)
     except KeyboardInterrupt:
-        stop.set()
-        for proc in list(procs.values()):
-            proc.send_signal(signal.SIGINT)
-        for t in threads:
-            t.join()
+        stop.set()  # no new cell; the running ones got the Ctrl-C too (see _run)
+        while True:
+            try:
+                for t in threads:
+                    t.join()
+                break
+            except KeyboardInterrupt:  # a second one: it reached the cells as well
+                continue
         raise
     return status
 

@@ -84,10 +84,11 @@ def usage_error(args: argparse.Namespace, out: Path) -> Optional[str]:
 
 
 def interrupted(recipe: str) -> int:
-    """The one line of a grid stopped by Ctrl-C (each running cell saved a checkpoint);
-    returns the exit status 130 (128 + SIGINT, the shell's convention)."""
-    print(f"experiments/{recipe}.py: interrupted by Ctrl-C; every running cell saved a "
-          "checkpoint: run the same command again to continue", file=sys.stderr)
+    """The one line of a grid stopped by Ctrl-C; returns the exit status 130 (128 +
+    SIGINT, the shell's convention)."""
+    print(f"experiments/{recipe}.py: interrupted by Ctrl-C; run the same command again to "
+          "continue (finished cells are kept, the others resume from their last "
+          "checkpoint)", file=sys.stderr)
     return 130
 
 
@@ -109,14 +110,20 @@ def main(recipe: str, args: argparse.Namespace, cells: Sequence[_grid.Cell],
         for c in cells:
             print(c.name, " ".join(c.args))
         return 0
+    try:
+        return _run_and_report(recipe, args, cells, analyse, argv, out)
+    except KeyboardInterrupt:
+        return interrupted(recipe)
+
+
+def _run_and_report(recipe: str, args: argparse.Namespace, cells: Sequence[_grid.Cell],
+                    analyse: Analyse, argv: Optional[Sequence[str]], out: Path) -> int:
+    """The body of :func:`main` after its checks: run, collect, analyse, report."""
     status = {}
     if not args.analyse_only:
-        try:
-            status = _grid.run_grid(cells, out, base_args(args), args.steps,
-                                     prune_checkpoints=args.prune_checkpoints,
-                                     jobs=args.jobs)
-        except KeyboardInterrupt:
-            return interrupted(recipe)
+        status = _grid.run_grid(cells, out, base_args(args), args.steps,
+                                 prune_checkpoints=args.prune_checkpoints,
+                                 jobs=args.jobs)
     records = _grid.collect(cells, out)
     command = "python " + " ".join(shlex.quote(a) for a in
                                    [f"experiments/{recipe}.py", *(argv or sys.argv[1:])])

@@ -319,14 +319,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"(--steps {args.sft_steps})")
     elif not args.analyse_only:
         check_base(out, checkpoint, cells)
-        problem = fine_tune_problem(ft, cells, out)
-        if problem is not None:
-            p.error(problem)
         try:
-            status = _grid.run_grid([base_cell(args)], out, recipe.base_args(args),
-                                    args.pretrain_steps)
+            problem = fine_tune_problem(ft, cells, out)
+            if problem is None:
+                status = _grid.run_grid([base_cell(args)], out, recipe.base_args(args),
+                                        args.pretrain_steps)
         except KeyboardInterrupt:
             return recipe.interrupted(RECIPE)
+        if problem is not None:
+            p.error(problem)
         if status[base_cell(args).name] not in ("done", "skipped"):
             print(f"[sft] the base failed ({status}); log: {out / _grid.LOG_DIR}",
                   file=sys.stderr)

@@ -30,6 +30,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from lrmoe import sim as S
+from lrmoe.bench.routing import ROUTINGS
 from lrmoe.calibrate import load_costs
 from lrmoe.planner import MODEL_SHAPES, POLICIES, ModelShape
 
@@ -42,8 +43,6 @@ A2A_FIELDS = {"dispatch_ms": "a2a_dispatch", "combine_ms": "a2a_combine",
 #: ``lrmoe bench layer --rotate``'s default (lrmoe/bench/cli.py): the input sets of a file
 #: whose meta does not record them (one-device files written before it did)
 BENCH_ROTATE = 3
-#: the bench's routings (lrmoe.bench.routing.ROUTINGS; the bench is an optional part)
-ROUTINGS = ("uniform", "skewed", "trace")
 
 
 def bench_loads(routing: str, tokens: int, experts: int, top_k: int,

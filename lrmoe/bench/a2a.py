@@ -291,6 +291,8 @@ def bench_a2a(sizes_kib: Sequence[int], iters: int, warmup: int, device_name: Op
     _write_files(out, {"a2a.json": json.dumps(result, indent=1) + "\n",
                        "links.yaml": yaml.safe_dump(doc, sort_keys=False, width=88),
                        "a2a.md": markdown(result)})
+    # a failed sweep's records beside a good fit would read as this run's
+    (out / FAILED_JSON).unlink(missing_ok=True)
     return result
 
 

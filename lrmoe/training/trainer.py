@@ -344,9 +344,9 @@ class Trainer:
 
         def again(signum: int, frame: Any) -> None:
             # A terminal's Ctrl-C reaches the whole process group, and a parent that also
-            # passes it on (experiments/grid.py, torchrun's agent) sends a second one
-            # milliseconds later: that one is the same Ctrl-C, not a request to abort
-            # without the checkpoint.
+            # passes it on sends a second one milliseconds later: the same Ctrl-C, not a
+            # request to abort without the checkpoint. (experiments/grid.py passes nothing
+            # on for this reason; the window guards other parents.)
             if time.monotonic() - first >= SIGINT_REPEAT_S:
                 raise KeyboardInterrupt
 

@@ -189,3 +189,10 @@ def test_a_failed_fit_keeps_the_earlier_run(tmp_path, monkeypatch):
     assert failed["fit"] is None and failed["records"] == records
     assert failed["meta"]["command"] == "the command"
     assert sorted(p.name for p in out.iterdir()) == sorted([*earlier, "a2a_failed.json"])
+    # a later good sweep into the same folder replaces the set and drops the failed file
+    good = [{"bytes_per_peer": 4096, "off_rank_bytes": 4096, "ms": 1.0, "GBps": 0.004096},
+            {"bytes_per_peer": 5120, "off_rank_bytes": 5120, "ms": 1.25, "GBps": 0.004096}]
+    monkeypatch.setattr(a2a, "measure", lambda *a, **k: [dict(r) for r in good])
+    a2a.bench_a2a([4, 5], 1, 0, "cpu", str(out), None, "the good command")
+    assert sorted(p.name for p in out.iterdir()) == sorted(earlier)
+    assert json.loads((out / "a2a.json").read_text())["meta"]["command"] == "the good command"
