@@ -94,6 +94,18 @@ def test_ep_size_must_divide_the_experts():
     assert T.build_config("tiny", sets=["ep_size=4"]).parallel.ep_size == 4
 
 
+def test_replica_slots_above_the_experts_are_refused_before_training():
+    """tiny has E = 8: 9 slots per rank could never be filled (one instance of an expert
+    per rank), and above int32 they had wrapped around in the planner."""
+    base = ["parallel.ep_size=2", "parallel.policy=ultraep"]
+    for slots in (9, 4294967298):
+        with pytest.raises(ValueError, match=rf"parallel\.replica_slots={slots} exceeds "
+                                             r"model\.num_experts=8"):
+            T.build_config("tiny", sets=[*base, f"parallel.replica_slots={slots}"])
+    assert T.build_config("tiny", sets=[*base, "parallel.replica_slots=8"]) \
+        .parallel.replica_slots == 8
+
+
 def test_adaptive_rate_settings_reach_the_layers_and_bad_ones_are_named(tmp_path):
     from lrmoe.train import TrainConfig  # noqa: F401  (the nested config)
     from test_train import micro
