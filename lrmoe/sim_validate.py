@@ -30,6 +30,9 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from lrmoe import sim as S
+# DEFAULT_ROTATE: the input sets of a file whose meta does not record them (one-device
+# files written before it did)
+from lrmoe.bench.routing import DEFAULT_ROTATE as BENCH_ROTATE
 from lrmoe.bench.routing import ROUTINGS
 from lrmoe.calibrate import load_costs
 from lrmoe.planner import MODEL_SHAPES, POLICIES, ModelShape
@@ -40,9 +43,6 @@ SHAPES["gpu-small"] = ModelShape("gpu-small", 768, 256, 128, 8, 8)
 #: simulated field -> the bench's profiled range of the same all-to-all
 A2A_FIELDS = {"dispatch_ms": "a2a_dispatch", "combine_ms": "a2a_combine",
               "grad_a2a_ms": "a2a_grad", "dx_a2a_ms": "a2a_dx"}
-#: ``lrmoe bench layer --rotate``'s default (lrmoe/bench/cli.py): the input sets of a file
-#: whose meta does not record them (one-device files written before it did)
-BENCH_ROTATE = 3
 
 
 def bench_loads(routing: str, tokens: int, experts: int, top_k: int,

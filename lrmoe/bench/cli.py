@@ -13,7 +13,7 @@ from typing import List, Optional
 
 from lrmoe.bench.methods import EP_METHODS, METHODS
 from lrmoe.bench.report import A2A_PHASES, FAILED
-from lrmoe.bench.routing import ROUTINGS, SHAPES
+from lrmoe.bench.routing import DEFAULT_ROTATE, ROUTINGS, SHAPES
 from lrmoe.offload import OFFLOAD_MODES
 from lrmoe.parallel.placement import POLICIES
 from lrmoe.paths import check_output
@@ -42,7 +42,7 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="activation and weight dtype")
     p.add_argument("--iters", type=int, default=20, help="timed iterations (median)")
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations first")
-    p.add_argument("--rotate", type=int, default=3, help="input sets rotated over")
+    p.add_argument("--rotate", type=int, default=DEFAULT_ROTATE, help="input sets rotated over")
     p.add_argument("--transformers-iters", type=int, default=3,
                    help="timed iterations of the transformers block")
     p.add_argument("--out", default="bench-out", help="folder for json/md/png")

@@ -26,7 +26,7 @@ from lrmoe.bench.profile import (CPU_OP_CAT, DEVICE_CATS, load_trace, trace_name
                                  where_time_goes)
 from lrmoe.bench.profile import write as write_time_goes
 from lrmoe.bench.report import FAILED, check_targets, markdown, plot, write_reports
-from lrmoe.bench.routing import Case, cases, load_imbalance, make_inputs
+from lrmoe.bench.routing import DEFAULT_ROTATE, Case, cases, load_imbalance, make_inputs
 from lrmoe.bench.timing import (PeakMemory, Timer, achieved_rates, kernel_split,
                                 measure_ceilings, phase_times, profile_step,
                                 time_iterations)
@@ -215,7 +215,7 @@ def bench_layer(shapes: Sequence[str], tokens: Sequence[int], routings: Sequence
                 rates: Sequence[float] = (0.0, 0.1, 0.2, 0.3),
                 methods: Optional[Sequence[str]] = None,
                 device: Optional[str] = None, dtype: str = "bfloat16", iters: int = 20,
-                warmup: int = 5, rotate: int = 3, transformers_iters: int = 3,
+                warmup: int = 5, rotate: int = DEFAULT_ROTATE, transformers_iters: int = 3,
                 trace: Optional[str] = None, out_dir: str = "bench-out",
                 append_md: Optional[str] = None, command: str = "",
                 offload: str = "none", profile_dir: Optional[str] = None,

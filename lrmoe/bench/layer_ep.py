@@ -44,7 +44,8 @@ from lrmoe.bench.methods import (EP_METHODS, build_methods, check_agreement, che
                                  reference_outputs)
 from lrmoe.bench.report import (BYTES_BWD, BYTES_FWD, FAILED, markdown_ep,
                                 write_reports)
-from lrmoe.bench.routing import ROUTING_SEED_STRIDE, SHAPES, Case, cases, make_inputs
+from lrmoe.bench.routing import (DEFAULT_ROTATE, ROUTING_SEED_STRIDE, SHAPES, Case, cases,
+                                 make_inputs)
 from lrmoe.bench.timing import (PeakMemory, Timer, kernel_split, phase_times, profile_step,
                                 profiled, time_iterations)
 
@@ -286,7 +287,8 @@ def bench_layer_ep(ep: int, shapes: Sequence[str], tokens: Sequence[int],
                    routings: Sequence[str], rates: Sequence[float] = (0.0, 0.1, 0.2, 0.3),
                    methods: Sequence[str] = EP_METHODS, device: Optional[str] = None,
                    dtype: str = "bfloat16", iters: int = 20, warmup: int = 5,
-                   rotate: int = 3, trace: Optional[str] = None, out_dir: str = "bench-out",
+                   rotate: int = DEFAULT_ROTATE, trace: Optional[str] = None,
+                   out_dir: str = "bench-out",
                    append_md: Optional[str] = None, command: str = "",
                    policies: Sequence[Optional[str]] = (None,), replica_slots: int = 2
                    ) -> Optional[dict]:

@@ -22,6 +22,9 @@ SHAPES: Dict[str, dict] = {
 }
 ROUTINGS = ("uniform", "skewed", "trace")
 
+#: input sets a benchmark rotates over by default (``lrmoe bench layer --rotate``)
+DEFAULT_ROTATE = 3
+
 #: seed of input set s on EP rank r: ``s + ROUTING_SEED_STRIDE * r`` (rank 0 = one device)
 ROUTING_SEED_STRIDE = 1000
 

@@ -68,12 +68,14 @@ class TrainConfig:
                 raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_position_"
                                  f"embeddings={m.max_position_embeddings}; raise the latter")
             check_ep_divides(m.num_experts, ep, "model.num_experts")
-            slots = self.parallel.replica_slots
-            if self.parallel.policy is not None and slots > m.num_experts:
-                # refused here, before the model is built, not by the first layer's plan
-                raise ValueError(f"parallel.replica_slots={slots} exceeds model.num_experts="
-                                 f"{m.num_experts}: a rank holds at most one instance of "
-                                 "each expert; give --replica-slots at most that")
+            if self.parallel.policy is not None:
+                # the planner's own bound, here before the model is built rather than at
+                # the first layer's plan
+                from lrmoe.planner import check_slots
+                try:
+                    check_slots(self.parallel.replica_slots, 0, m.num_experts)
+                except ValueError as err:
+                    raise ValueError(f"parallel.{err} (model.num_experts)") from None
         if ep > 1 and self.lrmoe.retained_mass_target > 0:
             raise ValueError(f"lrmoe.retained_mass_target (the adaptive rate) runs on one "
                              f"device only, but parallel.ep_size={ep}; use a fixed "
