@@ -4,10 +4,11 @@ runs the loop.
 Order of a start (nothing is written into the run directory before set-up succeeded, so
 a failed or interrupted start leaves the directory as it was):
 
-1. checks that read only: the config, ``model.init_from`` / ``data.tokenizer`` paths, E
-   divisible by the EP size, the torchrun group (:mod:`lrmoe.training.distributed`), the
-   device, the run directory (a fresh run refuses one that holds a run) or the checkpoint
-   (a resume refuses incompatible settings);
+1. checks that read only (:mod:`lrmoe.training.preflight`): the config,
+   ``model.init_from`` / ``data.tokenizer`` paths, E divisible by the EP size, the
+   torchrun group (:mod:`lrmoe.training.distributed`), the device, the run directory (a
+   fresh run refuses one that holds a run) or the checkpoint (a resume refuses
+   incompatible settings);
 2. set-up (:mod:`lrmoe.training.setup`): device, data (:mod:`lrmoe.data`), model
    (transformers, patched by ``lrmoe.integrations.transformers.patch_moe_blocks``), optimizer
    (:mod:`lrmoe.training.optim`), batch stream (:mod:`lrmoe.training.batches`);
@@ -34,13 +35,11 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import Tensor
 
-from lrmoe.paths import check_output
 from lrmoe.training import checkpoint as ckpt_io
 from lrmoe.training import distributed as dist_io
-from lrmoe.training import setup
+from lrmoe.training import preflight, setup
 from lrmoe.training.batches import BatchStream, micro_batches
-from lrmoe.training.compose import check_resume_compatible
-from lrmoe.training.config import TrainConfig, check_ep_divides
+from lrmoe.training.config import TrainConfig
 from lrmoe.training.distributed import log
 from lrmoe.training.loss import autocast, causal_lm_nll, evaluate, lm_forward
 from lrmoe.training.metrics import (CURVE_FILE, METRICS_FILE, SUMMARY_FILE, TENSORBOARD_DIR,
@@ -74,15 +73,6 @@ class TrainResult:
     model: Any = None
 
 
-def holds_run(run_dir: Path) -> bool:
-    """Whether ``run_dir`` holds a run that trained at least one step (a checkpoint, a
-    summary, or a train line in ``metrics.jsonl``); a folder left by a start that failed
-    before its first step may be reused."""
-    if ckpt_io.list_checkpoints(run_dir) or (run_dir / SUMMARY_FILE).exists():
-        return True
-    return any(r.get("kind") == "train" for r in read_metrics(run_dir / METRICS_FILE))
-
-
 class Trainer:
     """One training run; see :func:`lrmoe.train.train`.
 
@@ -108,7 +98,7 @@ class Trainer:
                  step_callback: Optional[Callable[["Trainer", int], None]] = None) -> None:
         cfg.validate()
         self.cfg, self.overwrite, self.step_callback = cfg, overwrite, step_callback
-        self.tokenizer = self._check_inputs()
+        self.tokenizer = preflight.check_inputs(cfg)
         # DP x EP: WORLD for the data-parallel sums, the mesh's ep group for the layers
         self.groups = dist_io.join(cfg.parallel.ep_size, cfg.run.device,
                                    cfg.parallel.dp_size)
@@ -133,70 +123,10 @@ class Trainer:
         self._state: Optional[Dict[str, Any]] = None
         self.resume_from = Path(resume) if resume is not None else None
         if self.resume_from is not None:
-            self._check_resume()
+            self._state, self.decay_steps = preflight.read_resume(self.resume_from, cfg,
+                                                                  self.ep_rank)
         else:
-            self._check_fresh()
-
-    # ------------------------------------------------------------------ checks (no writes)
-    def _check_inputs(self) -> Optional[str]:
-        """Paths and E % EP, before any process group, data or model; returns the
-        tokenizer file to use."""
-        m, d = self.cfg.model, self.cfg.data
-        tokenizer = d.tokenizer
-        if m.init_from is not None:
-            src = Path(m.init_from)
-            if not (src / "config.json").is_file():
-                raise FileNotFoundError(f"model.init_from {src}: no config.json; expected a "
-                                        "transformers checkpoint directory (save_pretrained)")
-            hf = json.loads((src / "config.json").read_text())
-            experts = hf.get("num_experts") or hf.get("num_local_experts")
-            if isinstance(experts, int):
-                check_ep_divides(experts, self.cfg.parallel.ep_size,
-                                 f"num_experts of {src}/config.json")
-            if tokenizer is None and (src / "tokenizer.json").is_file():
-                tokenizer = str(src / "tokenizer.json")
-            if tokenizer is None:
-                # a BPE trained now would number its tokens unlike the embeddings of src
-                raise FileNotFoundError(
-                    f"model.init_from {src} has no tokenizer.json and data.tokenizer is "
-                    "unset: a tokenizer trained on the new data would give token ids that do "
-                    "not match the model's embeddings; pass the tokenizer the model was "
-                    "trained with (--tokenizer PATH/tokenizer.json)")
-        if tokenizer is not None and not Path(tokenizer).is_file():
-            raise FileNotFoundError(f"data.tokenizer {tokenizer}: no such file (a tokenizers "
-                                    "tokenizer.json)")
-        if self.cfg.run.record_trace:  # saved after the last step: checked before the first
-            check_output("--record-trace", self.cfg.run.record_trace, is_dir=False)
-        return tokenizer
-
-    def _check_resume(self) -> None:
-        ckpt = self.resume_from
-        assert ckpt is not None
-        if not (ckpt / ckpt_io.STATE_FILE).is_file():
-            if self.ep_rank > 0:
-                raise FileNotFoundError(
-                    f"no checkpoint of EP rank {self.ep_rank} at {ckpt}: the checkpoint was "
-                    "written with another EP size (or without --ep); resume with the --ep "
-                    "it was saved with")
-            raise FileNotFoundError(f"{ckpt} is not a checkpoint (no {ckpt_io.STATE_FILE}); "
-                                    "pass a checkpoint directory (checkpoints/step-XXXXXXXX) "
-                                    "or a run directory")
-        saved = ckpt_io.read_checkpoint_config(ckpt)
-        self._state = torch.load(ckpt / ckpt_io.STATE_FILE, map_location="cpu",
-                                 weights_only=True)
-        self.decay_steps = int(self._state["lr_decay_steps"])
-        check_resume_compatible(saved, self.cfg, self.decay_steps)
-
-    def _check_fresh(self) -> None:
-        self.decay_steps = self.cfg.optim.lr_decay_steps or self.cfg.run.steps
-        # every rank refuses a run dir holding a run before it writes anything
-        root = check_output("--out", self.cfg.run.out_dir, is_dir=True)
-        if not self.overwrite and (holds_run(self.out_dir) or holds_run(root)):
-            ckpts = ckpt_io.list_checkpoints(root)
-            last = f" (last checkpoint: {ckpts[-1].name})" if ckpts else ""
-            raise FileExistsError(f"{root} already holds a run{last}; continue it with "
-                                  "--resume, start over with --overwrite, or choose another "
-                                  "--out")
+            self.decay_steps = preflight.check_fresh(cfg, self.out_dir, overwrite)
 
     # ------------------------------------------------------------------ set-up
     def _setup(self) -> None:
