@@ -67,7 +67,7 @@ def run_case(case: Case, rates: Sequence[float], methods: Sequence[str], device:
             slow = method.method == "transformers"
             n_iter = transformers_iters if slow else iters
             n_warm = min(warmup, 1) if slow else warmup
-            with PeakMemory(device) as mem:
+            with PeakMemory(device, method.params) as mem:
                 fwd, bwd = time_iterations(method, inputs, timer, n_warm, n_iter)
             (prof,) = profile_step(method, inputs, device)
         except torch.OutOfMemoryError as err:
@@ -182,7 +182,7 @@ def graph_record(eager: dict, method, inputs, case: Case, device: torch.device, 
     rec = {k: eager[k] for k in ("shape", "tokens", "routing", "load_max_over_mean",
                                  "rate")}
     rec.update(method="lrmoe_graph", label=f"{eager['label']} graph", agreement=None)
-    with PeakMemory(device) as mem:
+    with PeakMemory(device, method.params) as mem:
         step = GraphedStep(method.forward, method.params, inputs.xs[0], inputs.ids[0],
                            inputs.gs[0])
     check = graph_matches_eager(step, method.forward, inputs.xs[0], inputs.ids[0],

@@ -219,7 +219,7 @@ def run_case_ep(case: Case, rates: Sequence[float], methods: Sequence[str],
         if agreement is not None and not agreement["passed"]:  # the same on every rank
             records.append(dict(head, agreement=agreement, status=FAILED, iters=0, **loads))
             continue
-        with PeakMemory(device) as mem:
+        with PeakMemory(device, method.params) as mem:
             fwd, bwd = time_iterations(method, inputs, timer, warmup, iters,
                                        before_each=lambda: _barrier(device))
         prof_fwd, prof_bwd = profile_step(method, inputs, device, split=True,

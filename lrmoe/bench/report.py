@@ -149,7 +149,8 @@ def markdown(records: List[dict], ceilings: dict, targets: List[dict], meta: dic
              f"{_f(ceilings.get('gemm_TFLOPs'))} TFLOP/s. Median of {meta['iters']} "
              "iterations, times in ms. Agreement: the largest relative error of output and "
              "input gradient against LRMoE at c = 0 (a baseline over its tolerance is not "
-             "timed).", "",
+             "timed). Peak: the row's peak allocation above its start, weight gradients "
+             "included.", "",
              "| shape | tokens | routing (max/mean) | method | fwd | bwd | fwd+bwd | "
              "vs dropless | GEMM TFLOP/s | peak GiB | bwd buffers GiB | "
              "offload H2D / D2H MB | agreement |",

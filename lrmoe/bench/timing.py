@@ -24,7 +24,7 @@ import statistics
 import sys
 import tempfile
 import warnings
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -248,12 +248,24 @@ def profile_step(method, inputs: Inputs, device: torch.device, split: bool = Fal
 
 
 class PeakMemory:
-    """CUDA peak allocation (bytes) above the start of a ``with`` block (None on CPU)."""
+    """CUDA peak allocation (bytes) above the start of a ``with`` block (None on CPU).
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda, self.peak = device.type == "cuda", None
+    Args:
+        device: where the block runs.
+        params: the timed method's parameters; their ``.grad`` is freed before the start is
+            read, so every row counts the weight gradients its backward allocates, whatever
+            ran before it. Without this a row that found gradients left by an earlier step
+            (the LRMoE rows share one layer, and the agreement reference steps it) did not
+            count them and one that found none did: 1.13 GiB of expert weight gradients at
+            the Qwen3-30B-A3B shape (docs/performance.md, session 9).
+    """
+
+    def __init__(self, device: torch.device, params: Sequence[torch.Tensor] = ()) -> None:
+        self.cuda, self.peak, self.params = device.type == "cuda", None, list(params)
 
     def __enter__(self):
+        for p in self.params:
+            p.grad = None
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

@@ -502,3 +502,32 @@ def test_time_iterations_waits_as_documented():
         t2 = [3 * s + 3 for s in range(5)]
         want = t2 if sync_each else [t2[i - QUEUE_AHEAD] for i in range(QUEUE_AHEAD, 5)]
         assert [a for _, a in clock.log] == want
+
+
+def test_peak_memory_frees_the_gradients_it_is_given():
+    """Every row counts the weight gradients its backward allocates: PeakMemory frees the
+    given parameters' .grad before reading its start (on the CPU: the freeing only)."""
+    from lrmoe.bench.timing import PeakMemory
+    w = torch.ones(4, requires_grad=True)
+    (w * 2).sum().backward()
+    assert w.grad is not None
+    with PeakMemory(torch.device("cpu"), [w]) as mem:
+        assert w.grad is None
+    assert mem.peak is None
+
+
+@pytest.mark.gpu
+def test_peak_memory_counts_weight_gradients_left_by_an_earlier_step():
+    """A step after one that left its gradients: the peak includes the new weight
+    gradient (hand count: 2048 x 2048 float32 = 16 MiB), as for a row with none before."""
+    from lrmoe.bench.timing import PeakMemory
+    dev = torch.device("cuda")
+    w = torch.randn(2048, 2048, device=dev, requires_grad=True)
+    x = torch.randn(4, 2048, device=dev)
+    (x @ w).sum().backward()  # an earlier step's gradient stays allocated
+    with PeakMemory(dev, [w]) as mem:
+        w.grad = None  # as time_iterations does before every step
+        (x @ w).sum().backward()
+    # without the freeing in PeakMemory the start would hold the old gradient, and the
+    # new one (allocated after the old was freed) would not rise above it
+    assert mem.peak >= 2048 * 2048 * 4
