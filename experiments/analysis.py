@@ -3,7 +3,7 @@
 Definitions (docs/experiments.md states them with the results):
 
 * **final perplexity** of a run: the mean validation perplexity of its last ``last_evals``
-  evaluations (the paper averages the perplexity of its last 1,000 of 10,000 steps; we
+  evaluations after step 0 (the paper averages the perplexity of its last 1,000 of 10,000 steps; we
   evaluate every ``eval_every`` steps, so the last evaluations play that part).
 * **dPPL** of a run against its baseline (c = 0, same seed): ``final_ppl / final_ppl_0 - 1``
   (relative; x100 for percent), and the absolute difference ``final_ppl - final_ppl_0``.
@@ -23,14 +23,16 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 
 def final_ppl(record: Mapping[str, Any], last_evals: int = 3) -> Optional[float]:
-    """Mean validation perplexity over the last ``last_evals`` evaluations (None if none).
+    """Mean validation perplexity over the last ``last_evals`` evaluations after step 0
+    (fewer where the run has fewer; None if it has none).
 
     Raises:
         ValueError: ``last_evals < 1``.
     """
     if last_evals < 1:
         raise ValueError(f"last_evals must be >= 1, got {last_evals}")
-    evals = record.get("evals") or []
+    # the step-0 evaluation is the untrained model's: never part of a final perplexity
+    evals = [e for e in record.get("evals") or [] if e["step"] > 0]
     if not evals:
         return None
     return statistics.fmean(e["val_ppl"] for e in evals[-last_evals:])
@@ -91,8 +93,9 @@ def dppl_table(records: Sequence[Mapping[str, Any]], keys: Sequence[str],
 
     Returns:
         One row per setting (``keys`` values): ``{**setting, "ppl", "ppl_sd",
-        "dppl_pct", "dppl_pct_sd", "dppl_abs", "dppl_abs_sd", "seeds"}``, plus one row
-        for the baseline itself (dPPL 0 by definition).
+        "dppl_pct", "dppl_pct_sd", "dppl_abs", "dppl_abs_sd", "seeds"}`` (``seeds``: the
+        runs with a finite dPPL against their seed's baseline, the n of the mean), plus
+        one row for the baseline itself (dPPL 0 by definition).
     """
     base = {r["labels"].get("seed"): r for r in records if is_baseline(r)}
     rows = []
@@ -105,8 +108,8 @@ def dppl_table(records: Sequence[Mapping[str, Any]], keys: Sequence[str],
             if d is not None:
                 rel.append(100.0 * d[0])
                 ab.append(d[1])
-        m, sd, n = mean_spread(ppl)
-        mr, sr, _ = mean_spread(rel)
+        m, sd, _ = mean_spread(ppl)
+        mr, sr, n = mean_spread(rel)  # seeds: the pairs the dPPL mean is over
         ma, sa, _ = mean_spread(ab)
         rows.append({**dict(zip(keys, setting)), "ppl": m, "ppl_sd": sd, "dppl_pct": mr,
                      "dppl_pct_sd": sr, "dppl_abs": ma, "dppl_abs_sd": sa, "seeds": n})

@@ -68,37 +68,78 @@ def default_cell_name(rate: float, seed: int) -> str:
 
 
 def _read_json(path: Path) -> Optional[dict]:
+    """The JSON object in ``path``; None if it is missing, unreadable or not an object."""
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    return value if isinstance(value, dict) else None
+
+
+class CorruptRun(ValueError):
+    """A cell's files cannot be read as a run (the message names the file and line)."""
 
 
 def read_metrics(run_dir: Path) -> List[dict]:
-    """The records of ``run_dir/metrics.jsonl`` (a torn last line is ignored)."""
-    out: List[dict] = []
+    """The records of ``run_dir/metrics.jsonl``; [] when there is no such file.
+
+    A torn last line (a run killed while writing it) is ignored; any other line that is
+    not a JSON object raises, since the records after it would be lost silently.
+
+    Raises:
+        CorruptRun: a line before the last that is not a JSON object.
+    """
+    path = run_dir / "metrics.jsonl"
     try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        lines = path.read_text().splitlines()
     except OSError:
-        return out
-    for line in lines:
+        return []
+    out: List[dict] = []
+    for i, line in enumerate(lines):
         try:
-            out.append(json.loads(line))
+            rec = json.loads(line)
         except ValueError:
-            break
+            rec = None
+        if not isinstance(rec, dict):
+            if i == len(lines) - 1 and not isinstance(rec, (int, float, list, str)):
+                break  # torn by a kill mid-write: the run's numbers end before it
+            raise CorruptRun(f"{path}:{i + 1} is not a JSON object record ({line[:60]!r})")
+        out.append(rec)
     return out
 
 
+def _steps(summary: Optional[Mapping[str, Any]]) -> Optional[int]:
+    """A summary's ``steps`` if it is an integer, else None."""
+    v = (summary or {}).get("steps")
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
 def cell_state(run_dir: Path, steps: int) -> str:
-    """``done`` (summary at >= ``steps``), ``resume`` (has a checkpoint) or ``fresh``."""
+    """``done`` (summary at >= ``steps``), ``resume`` (has a checkpoint), ``short`` (a
+    finished run of fewer steps whose checkpoints are gone, e.g. pruned: it cannot be
+    extended, and starting it over would replace its results) or ``fresh``."""
     summary = _read_json(run_dir / "summary.json")
-    if summary is not None and summary.get("steps", 0) >= steps \
-            and not summary.get("interrupted"):
+    n = _steps(summary)
+    finished_run = n is not None and not summary.get("interrupted")
+    if finished_run and n >= steps:
         return "done"
     ckpts = run_dir / "checkpoints"
     if ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir()):
         return "resume"
-    return "fresh"
+    return "short" if finished_run else "fresh"
+
+
+def _keep_previous(run_dir: Path, root: Path) -> None:
+    """Move a cell's run files aside (``root/logs/<cell>.previous/``) before it starts
+    over: a run that died before its first checkpoint leaves metrics worth reading."""
+    files = [run_dir / f for f in ("metrics.jsonl", "summary.json")
+             if (run_dir / f).is_file()]
+    if not files:
+        return
+    keep = root / LOG_DIR / f"{run_dir.name}.previous"
+    keep.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        os.replace(f, keep / f.name)
 
 
 def _run(cmd: List[str], log_path: Path, prefix: str = "",
@@ -172,7 +213,9 @@ def run_grid(cells: Sequence[Cell], root: str | os.PathLike, base_args: Sequence
         ``{cell name: "done" | "skipped" | "failed (exit N)"}``.
 
     Raises:
-        ValueError: duplicate cell names, ``steps < 1`` or ``jobs < 1``.
+        ValueError: duplicate cell names, ``steps < 1`` or ``jobs < 1``, or a cell that
+            finished with fewer steps and has no checkpoint (``cell_state`` ``short``;
+            nothing runs then).
         KeyboardInterrupt: Ctrl-C, after every running cell has ended (the Ctrl-C made
             each save a checkpoint and stop; a second one aborts them).
     """
@@ -194,6 +237,14 @@ def run_grid(cells: Sequence[Cell], root: str | os.PathLike, base_args: Sequence
             status[cell.name] = "skipped"
         else:
             todo.append((i, cell, state))
+    short = [c.name for _, c, state in todo if state == "short"]
+    if short:  # before any cell runs: a typo in --steps must not retrain a finished grid
+        n = _steps(_read_json(root / short[0] / "summary.json"))
+        raise ValueError(
+            f"{len(short)} cell(s) finished with fewer steps than {steps} and have no "
+            f"checkpoint to continue from (e.g. {short[0]}: {n} steps); starting them over "
+            f"would replace their results. Use --steps {n} to analyse them, or another "
+            "--out for the longer runs")
     procs: Dict[int, subprocess.Popen] = {}
 
     def one(i: int, cell: Cell, state: str) -> None:
@@ -208,6 +259,7 @@ def run_grid(cells: Sequence[Cell], root: str | os.PathLike, base_args: Sequence
         if state == "resume":
             cmd += ["--resume", str(run_dir)]
         elif run_dir.exists():
+            _keep_previous(run_dir, root)
             cmd += ["--overwrite"]
         print(f"[grid] cell {i + 1}/{len(cells)} {cell.name}: {state}", flush=True)
         (root / LOG_DIR).mkdir(parents=True, exist_ok=True)
@@ -260,10 +312,11 @@ def run_grid(cells: Sequence[Cell], root: str | os.PathLike, base_args: Sequence
 
 
 def finished(record: Mapping[str, Any], steps: int) -> bool:
-    """Whether a :func:`collect` record is of a run that reached ``steps`` and was not
-    interrupted (the same test as :func:`cell_state`'s ``done``)."""
+    """Whether a :func:`collect` record is of a readable run that reached ``steps`` and
+    was not interrupted (the same test as :func:`cell_state`'s ``done``)."""
     summary = record.get("summary")
-    return bool(summary) and summary.get("steps", 0) >= steps \
+    n = _steps(summary)
+    return not record.get("corrupt") and n is not None and n >= steps \
         and not summary.get("interrupted")
 
 
@@ -273,8 +326,11 @@ def collect(cells: Sequence[Cell], root: str | os.PathLike) -> List[dict]:
     Writes ``root/results.json`` (a list of the records) atomically and returns it. Cells
     without a summary (not run, failed) have ``summary: None``.
 
-    Record keys: ``name``, ``labels``, ``summary`` (``summary.json``), ``jobs`` (cells
-    that ran at the same time as it, its last run; 1 when unknown), ``evals`` (list of
+    Record keys: ``name``, ``labels``, ``summary`` (``summary.json``), ``corrupt`` (None,
+    or why the cell's files cannot be read as a run: a bad line, an eval record without
+    numbers, an unreadable summary, a log that ends before the summary's last evaluation;
+    its evals and train records are then empty), ``jobs`` (cells that ran at the same
+    time as it, its last run; None when unknown), ``evals`` (list of
     ``{step, val_loss, val_ppl}``), ``train`` (list of ``{step, loss, time_s,
     tokens_per_s, moe_time_ms?, dropped_fraction, retained_mass}``).
     """
@@ -284,16 +340,35 @@ def collect(cells: Sequence[Cell], root: str | os.PathLike) -> List[dict]:
             "retained_mass")
     for cell in cells:
         run_dir = root / cell.name
-        records = read_metrics(run_dir)
+        corrupt = None
+        try:
+            records = read_metrics(run_dir)
+        except CorruptRun as err:
+            records, corrupt = [], str(err)
+        evals = [r for r in records if r.get("kind") == "eval"]
+        bad = next((r for r in evals if not all(isinstance(r.get(k), (int, float))
+                                                for k in ("step", "val_loss", "val_ppl"))),
+                   None)
+        if corrupt is None and bad is not None:
+            corrupt = f"{run_dir / 'metrics.jsonl'}: an eval record without numbers ({bad})"
+        summary = _read_json(run_dir / "summary.json")
+        if (run_dir / "summary.json").exists() and summary is None and corrupt is None:
+            corrupt = f"{run_dir / 'summary.json'} is not a readable JSON object"
+        last = (summary or {}).get("last_val_step")
+        if corrupt is None and isinstance(last, int) and evals and evals[-1]["step"] != last:
+            corrupt = (f"{run_dir / 'metrics.jsonl'} ends at evaluation step "
+                       f"{evals[-1]['step']} but summary.json says {last} (a truncated log?)")
+        jobs = (_read_json(root / LOG_DIR / f"{cell.name}.json") or {}).get("jobs")
         out.append({
             "name": cell.name,
             "labels": dict(cell.labels),
-            "summary": _read_json(run_dir / "summary.json"),
-            "jobs": (_read_json(root / LOG_DIR / f"{cell.name}.json") or {}).get("jobs", 1),
-            "evals": [{k: r[k] for k in ("step", "val_loss", "val_ppl")}
-                      for r in records if r.get("kind") == "eval"],
-            "train": [{k: r[k] for k in keep if k in r}
-                      for r in records if r.get("kind") == "train"],
+            "summary": summary,
+            "corrupt": corrupt,
+            "jobs": jobs if isinstance(jobs, int) else None,
+            "evals": [] if corrupt else [{k: r[k] for k in ("step", "val_loss", "val_ppl")}
+                                         for r in evals],
+            "train": [] if corrupt else [{k: r[k] for k in keep if k in r}
+                                         for r in records if r.get("kind") == "train"],
         })
     tmp = root / (RESULTS_FILE + ".tmp")
     tmp.write_text(json.dumps(out, indent=1))

@@ -305,6 +305,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.analyse_only and args.sft_data is None:
         p.error("--sft-data PATH is required to run the grid (an Alpaca JSON/JSONL file; "
                 "`lrmoe data wordnet-alpaca --out data/wordnet_alpaca.jsonl` builds one)")
+    if not args.analyse_only and Path(args.sft_data).is_dir():
+        p.error(f"--sft-data {args.sft_data} is a folder; name the Alpaca JSON/JSONL file "
+                "in it")
     if not args.analyse_only and not Path(args.sft_data).is_file():
         p.error(f"--sft-data {args.sft_data}: no such file; build it with `lrmoe data "
                 f"wordnet-alpaca --out {args.sft_data}` or give an Alpaca JSON/JSONL file")
@@ -320,7 +323,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     elif not args.analyse_only:
         check_base(out, checkpoint, cells)
         try:
-            problem = fine_tune_problem(ft, cells, out)
+            # the base's own flags (--pretrain-data, --set) before it trains
+            problem = recipe.config_problem(argparse.Namespace(
+                **{**vars(args), "steps": args.pretrain_steps}), [base_cell(args)], out)
+            problem = problem and f"the base would not start: {problem} (--pretrain-data, --set)"
+            problem = problem or fine_tune_problem(ft, cells, out)
             if problem is None:
                 status = _grid.run_grid([base_cell(args)], out, recipe.base_args(args),
                                         args.pretrain_steps)

@@ -35,7 +35,9 @@ def cells(args):
 
 
 def _times_only_if_alone(hit, record):
-    if hit is not None and record.get("jobs", 1) > 1:
+    # jobs None: the runner's record of it is missing, so the cell may have shared the GPU
+    jobs = record.get("jobs")
+    if hit is not None and (jobs is None or jobs > 1):
         return {**hit, "wall_s": math.nan, "moe_s": math.nan}
     return hit
 
@@ -78,6 +80,9 @@ if __name__ == "__main__":
     p.add_argument("--metric", default="lrm")
     p.add_argument("--selection", default="topk")
     a = p.parse_args()
+    bad = [t for t in a.targets if not (math.isfinite(t) and t > 0)]
+    if bad:
+        p.error(f"--targets must be finite validation losses > 0, got {bad}")
     if a.jobs != 1:
         p.error("--jobs must be 1 here: times measured on a shared device are not times to loss")
     sys.exit(recipe.main(RECIPE, a, cells(a), analyse))

@@ -193,11 +193,14 @@ def test_time_to_loss_keeps_only_steps_of_cells_that_shared_the_device():
     import time_to_loss
     train = [{"step": s, "time_s": 0.5, "moe_time_ms": 200.0} for s in range(1, 41)]
     rec = _rec(0, [9.0, 8.0], losses=[3.0, 2.0], train=train)
-    alone = time_to_loss._times_only_if_alone(analysis.time_to_loss(rec, 2.5), rec)
+    alone = time_to_loss._times_only_if_alone(analysis.time_to_loss(rec, 2.5),
+                                              {**rec, "jobs": 1})
     assert alone == {"step": 20, "wall_s": pytest.approx(10.0), "moe_s": pytest.approx(4.0)}
-    shared = time_to_loss._times_only_if_alone(analysis.time_to_loss(rec, 2.5),
-                                               {**rec, "jobs": 3})
-    assert shared["step"] == 20 and math.isnan(shared["wall_s"]) and math.isnan(shared["moe_s"])
+    for jobs in (3, None):  # None: the runner's record is missing, it may have shared
+        shared = time_to_loss._times_only_if_alone(analysis.time_to_loss(rec, 2.5),
+                                                   {**rec, "jobs": jobs})
+        assert shared["step"] == 20 and math.isnan(shared["wall_s"]) \
+            and math.isnan(shared["moe_s"])
 
 
 def test_full_grid_holds_every_recipe_cell_once_most_important_first():
@@ -294,3 +297,127 @@ def test_ctrl_c_of_a_terminal_keeps_the_running_cells_checkpoint(tmp_path):
     assert "Traceback" not in stderr and "run the same command again" in stderr, stderr
     assert list((out / "c0-s0" / "checkpoints").iterdir()), "the cell lost its checkpoint"
     assert "interrupted at step" in (out / grid.LOG_DIR / "c0-s0.log").read_text()
+
+
+def test_a_finished_cell_is_never_retrained_by_a_changed_steps(tmp_path, fake_python):
+    """A pruned cell finished at 2 steps: --steps 3 would have started it over and
+    replaced its results; the runner refuses before running any cell, files intact."""
+    root = tmp_path / "grid"
+    cells = [grid.Cell("a", [], {}), grid.Cell("b", [], {})]
+    grid.run_grid(cells[:1], root, [], 2, python=fake_python, prune_checkpoints=True)
+    before = (root / "a" / "metrics.jsonl").read_text()
+    assert grid.cell_state(root / "a", 3) == "short"
+    with pytest.raises(ValueError, match=r"--steps 2"):
+        grid.run_grid(cells, root, [], 3, python=fake_python)
+    assert (root / "a" / "metrics.jsonl").read_text() == before
+    assert not (root / "b").exists() and len(_calls(root)) == 1  # nothing else ran
+
+
+def test_a_cell_started_over_keeps_its_earlier_files(tmp_path, fake_python):
+    """A run that died before its first checkpoint (summary marked interrupted) starts
+    over; its metrics and summary move to logs/<cell>.previous/ first."""
+    root = tmp_path / "grid"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    (root / "a" / "summary.json").write_text('{"steps": 1, "interrupted": true}')
+    grid.run_grid([grid.Cell("a", [], {})], root, [], 2, python=fake_python)
+    kept = root / "logs" / "a.previous"
+    assert (kept / "metrics.jsonl").read_text() == '{"kind": "train", "step": 1}\n'
+    assert json.loads((kept / "summary.json").read_text())["interrupted"] is True
+    assert json.loads((root / "a" / "summary.json").read_text()) == {"steps": 2}
+
+
+def _cell_files(root, name, lines, summary):
+    (root / name).mkdir(parents=True)
+    (root / name / "metrics.jsonl").write_text("".join(l + "\n" for l in lines))
+    (root / name / "summary.json").write_text(summary)
+
+
+def test_collect_marks_unreadable_cells_instead_of_reading_part_of_them(tmp_path):
+    ev = lambda s, p: json.dumps({"kind": "eval", "step": s, "val_loss": 1.0, "val_ppl": p})
+    root = tmp_path / "g"
+    _cell_files(root, "good", [ev(10, 5.0), ev(20, 4.0), '{"kind": "ev'],  # torn last line
+                '{"steps": 20, "last_val_step": 20}')
+    _cell_files(root, "midbad", [ev(10, 5.0), "garbage", ev(20, 4.0)], '{"steps": 20}')
+    _cell_files(root, "cut", [ev(10, 5.0)], '{"steps": 20, "last_val_step": 20}')
+    _cell_files(root, "nonum", [json.dumps({"kind": "eval", "step": 20})], '{"steps": 20}')
+    _cell_files(root, "listsum", [ev(20, 4.0)], "[1]")
+    _cell_files(root, "listline", [ev(20, 4.0), "42", ev(30, 3.0)], '{"steps": 20}')
+    names = ["good", "midbad", "cut", "nonum", "listsum", "listline"]
+    recs = {r["name"]: r for r in grid.collect([grid.Cell(n, [], {}) for n in names], root)}
+    assert recs["good"]["corrupt"] is None and len(recs["good"]["evals"]) == 2
+    assert grid.finished(recs["good"], 20)
+    assert "midbad/metrics.jsonl:2" in recs["midbad"]["corrupt"]
+    assert "ends at evaluation step 10" in recs["cut"]["corrupt"]
+    assert "without numbers" in recs["nonum"]["corrupt"]
+    assert "summary.json is not a readable JSON object" in recs["listsum"]["corrupt"]
+    assert "listline/metrics.jsonl:2" in recs["listline"]["corrupt"]
+    assert not any(grid.finished(recs[n], 20) for n in names[1:])
+
+
+def _args(root, **kw):
+    import argparse
+    base = dict(steps=20, seeds=[0], last_evals=2, jobs=1, out=str(root), dry_run=False,
+                analyse_only=True, eval_every=None, preset="tiny", device="cpu", sets=[],
+                prune_checkpoints=False)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_recipe_reports_what_it_left_out_and_why(tmp_path, capsys):
+    import recipe
+    ev = lambda s, p: json.dumps({"kind": "eval", "step": s, "val_loss": 1.0, "val_ppl": p})
+    root = tmp_path / "g"
+    _cell_files(root, "a", [ev(0, 900.0), ev(10, 5.0), ev(20, 4.0)], '{"steps": 20}')
+    _cell_files(root, "longer", [ev(10, 5.0), ev(30, 3.0)], '{"steps": 30}')
+    _cell_files(root, "bad", [ev(10, 5.0), "x", ev(20, 4.0)], '{"steps": 20}')
+    _cell_files(root, "one", [ev(0, 900.0), ev(20, 4.0)], '{"steps": 20}')
+    cells = [grid.Cell(n, [], {"seed": 0}) for n in ("a", "longer", "bad", "one")]
+    seen = []
+    rc = recipe.main("t", _args(root), cells,
+                     lambda recs, out, a: seen.extend(recs) or "body", argv=[])
+    assert rc == 0 and [r["name"] for r in seen] == ["a", "one"]
+    report = (root / "report.md").read_text()
+    assert "Ran other than --steps 20 (left out of the tables): longer (30 steps)" in report
+    assert "Unreadable (left out of the tables):" in report and "bad/metrics.jsonl:2" in report
+    assert "evaluations after step 0" in report and ": one" in report
+    # the final perplexity never includes the untrained model's step-0 evaluation
+    assert analysis.final_ppl(seen[0], 3) == pytest.approx(4.5)
+    assert analysis.final_ppl(seen[1], 3) == pytest.approx(4.0)
+
+
+def test_recipe_refuses_before_any_work(tmp_path, capsys, fake_python):
+    import recipe
+    root = tmp_path / "g"
+    root.mkdir()
+    (root / "report.md").write_text("someone else's report\n")
+    cells = [grid.Cell("a", [], {"seed": 0})]
+    body = lambda recs, out, a: "body"
+    # --analyse-only of a folder holding no cell of the grid: its files stay
+    assert recipe.main("t", _args(root), cells, body, argv=[]) == 2
+    assert "holds no cell of this grid" in capsys.readouterr().err
+    assert (root / "report.md").read_text() == "someone else's report\n"
+    # a cell listed twice (a repeated --rates value)
+    assert recipe.main("t", _args(root), cells * 2, body, argv=[]) == 2
+    assert "twice: a" in capsys.readouterr().err
+    # a cell whose lrmoe train would refuse its flags: found before any cell runs
+    bad = [grid.Cell("ok", ["-c", "0"], {}), grid.Cell("no", ["--metric", "bogus"], {})]
+    assert recipe.main("t", _args(root / "run", analyse_only=False), bad, body, argv=[]) == 2
+    err = capsys.readouterr().err
+    assert "cell no would not start" in err and "bogus" in err
+    assert not (root / "run").exists()
+    bad = [grid.Cell("r", ["-c", "1.5"], {})]
+    assert recipe.main("t", _args(root / "run", analyse_only=False), bad, body, argv=[]) == 2
+    assert "cell r would not start" in capsys.readouterr().err
+    assert recipe.main("t", _args(root, eval_every=0), cells, body, argv=[]) == 2
+    assert "--eval-every" in capsys.readouterr().err
+    assert recipe.main("t", _args(root, out=""), cells, body, argv=[]) == 2
+    assert "--out is empty" in capsys.readouterr().err
+
+
+def test_dppl_table_counts_the_pairs_its_mean_is_over():
+    recs = [_rec(0, [10.0], labels={"rate": 0.0}), _rec(1, [20.0], labels={"rate": 0.0}),
+            _rec(0, [11.0], labels={"rate": 0.3}), _rec(1, [math.nan], labels={"rate": 0.3}),
+            _rec(2, [30.0], labels={"rate": 0.3})]  # seed 2 has no baseline
+    rows = analysis.dppl_table(recs, ["rate"], lambda r: r["labels"]["rate"] == 0, 1)
+    row = next(r for r in rows if r["rate"] == 0.3)
+    assert row["seeds"] == 1 and row["dppl_pct"] == pytest.approx(10.0)
