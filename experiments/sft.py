@@ -320,7 +320,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"(--steps {args.pretrain_steps})")
         print("fine-tunes:", " ".join(f"--set {x}" for x in ft.sets[len(args.sets):]),
               f"(--steps {args.sft_steps})")
-    elif not args.analyse_only:
+    elif args.analyse_only:
+        check_base(out, checkpoint, cells)  # tables of another base's fine-tunes: refused
+    else:
         check_base(out, checkpoint, cells)
         try:
             # the base's own flags (--pretrain-data, --set) before it trains
