@@ -22,6 +22,12 @@ from collections import defaultdict
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 
+def trained_evals(record: Mapping[str, Any]) -> List[Mapping[str, Any]]:
+    """A run's evaluations after step 0 (the step-0 one is the untrained model's and is
+    never part of a final perplexity)."""
+    return [e for e in record.get("evals") or [] if e["step"] > 0]
+
+
 def final_ppl(record: Mapping[str, Any], last_evals: int = 3) -> Optional[float]:
     """Mean validation perplexity over the last ``last_evals`` evaluations after step 0
     (fewer where the run has fewer; None if it has none).
@@ -31,8 +37,7 @@ def final_ppl(record: Mapping[str, Any], last_evals: int = 3) -> Optional[float]
     """
     if last_evals < 1:
         raise ValueError(f"last_evals must be >= 1, got {last_evals}")
-    # the step-0 evaluation is the untrained model's: never part of a final perplexity
-    evals = [e for e in record.get("evals") or [] if e["step"] > 0]
+    evals = trained_evals(record)
     if not evals:
         return None
     return statistics.fmean(e["val_ppl"] for e in evals[-last_evals:])

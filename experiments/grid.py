@@ -99,10 +99,10 @@ def read_metrics(run_dir: Path) -> List[dict]:
         try:
             rec = json.loads(line)
         except ValueError:
+            if i == len(lines) - 1:
+                break  # torn by a kill mid-write: the run's numbers end before it
             rec = None
         if not isinstance(rec, dict):
-            if i == len(lines) - 1 and not isinstance(rec, (int, float, list, str)):
-                break  # torn by a kill mid-write: the run's numbers end before it
             raise CorruptRun(f"{path}:{i + 1} is not a JSON object record ({line[:60]!r})")
         out.append(rec)
     return out

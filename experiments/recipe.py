@@ -18,14 +18,9 @@ from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
 import grid as _grid  # experiments/ is on sys.path when a recipe runs as a script
-from analysis import final_ppl as _final_ppl
+from analysis import final_ppl, trained_evals
 
 Analyse = Callable[[List[dict], Path, argparse.Namespace], str]
-
-
-def _final(record: dict, last_evals: int) -> float:
-    p = _final_ppl(record, last_evals)
-    return math.nan if p is None else p
 
 
 def parser(recipe: str, description: str) -> argparse.ArgumentParser:
@@ -127,7 +122,7 @@ def config_problem(args: argparse.Namespace, cells: Sequence[_grid.Cell], out: P
         try:
             with contextlib.redirect_stderr(err):
                 a = parser.parse_args(argv)
-            T.build_config(a.preset, a.config, a.sets, cli._train_overrides(a))
+            T.build_config(a.preset, a.config, a.sets, cli.train_overrides(a))
         except SystemExit:  # argparse's own error (an unknown choice)
             why = (err.getvalue().strip().splitlines() or ["(no message)"])[-1]
             return f"cell {cell.name} would not start: {why}"
@@ -150,8 +145,9 @@ def main(recipe: str, args: argparse.Namespace, cells: Sequence[_grid.Cell],
     """Run ``cells`` (unless ``--analyse-only``), collect and analyse; returns the exit
     status (1 when a cell failed, 2 on a usage error, 130 after a Ctrl-C, 0 otherwise).
 
-    A usage error (``--steps`` < 1, no seeds, ``--last-evals`` < 1, ``--jobs`` < 1, an
-    ``--out`` that is a file) is one line on stderr naming the flag, before any run.
+    A usage error (:func:`usage_error`, :func:`repeated_cells`, :func:`config_problem`;
+    on a run also a finished cell that a changed ``--steps`` would retrain, an ``--out``
+    that cannot be written) is one line on stderr naming the flag, before any run.
     """
     out = Path(args.out if args.out is not None else f"runs/experiments/{recipe}-{args.preset}")
     usage = usage_error(args, out) or repeated_cells(cells)
@@ -205,8 +201,7 @@ def _run_and_report(recipe: str, args: argparse.Namespace, cells: Sequence[_grid
     corrupt = [r["corrupt"] for r in records if r.get("corrupt")]
     missing = sorted(r["name"] for r in records
                      if not _grid.finished(r, args.steps) and not r.get("corrupt"))
-    few = [r["name"] for r in done
-           if sum(e["step"] > 0 for e in r["evals"]) < args.last_evals]
+    few = [r["name"] for r in done if len(trained_evals(r)) < args.last_evals]
     if not done:
         print(f"experiments/{recipe}.py: no cell finished {args.steps} steps in {out}; "
               f"report.md not written" + (f" (other step counts: {', '.join(other)})"
@@ -215,8 +210,8 @@ def _run_and_report(recipe: str, args: argparse.Namespace, cells: Sequence[_grid
             print(f"  unreadable: {why}", file=sys.stderr)
         return 2 if args.analyse_only else 1
     body = analyse(done, out, args)
-    diverged = [r["name"] for r in done if not math.isfinite(
-        _final(r, args.last_evals))]
+    finals = {r["name"]: final_ppl(r, args.last_evals) for r in done}
+    diverged = [n for n, p in finals.items() if p is not None and not math.isfinite(p)]
     if diverged:
         body += ("\n\nNon-finite final perplexity (diverged; counted in no mean above): "
                  f"{', '.join(diverged)}")

@@ -36,7 +36,6 @@ import argparse
 import copy
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
@@ -154,20 +153,17 @@ def fine_tune_problem(ft: argparse.Namespace, cells: Sequence[Cell], out: Path
     """Why the fine-tunes could not start, found before the base pre-trains (minutes on a
     GPU) rather than by every fine-tune after it: the ``--sft-data`` file read as the
     fine-tunes will read it, and the first fine-tune's ``lrmoe train`` configuration
-    composed and validated (``--print-config``, which does not need the base's checkpoint
-    to exist yet). None when both are fine."""
+    composed and validated (:func:`recipe.config_problem`, which does not need the base's
+    checkpoint to exist yet). None when both are fine."""
     from lrmoe.data.sources import read_alpaca
 
     try:
         read_alpaca(Path(ft.sft_data))
     except ValueError as err:
         return f"--sft-data: {err}"
-    cmd = [sys.executable, "-m", "lrmoe", "train", *recipe.base_args(ft), *cells[0].args,
-           "--steps", str(ft.steps), "--out", str(out / cells[0].name), "--print-config"]
-    got = subprocess.run(cmd, capture_output=True, text=True)
-    if got.returncode != 0:
-        why = (got.stderr.strip().splitlines() or ["(no message)"])[-1]
-        return (f"the fine-tunes would not start: {why} (set by --sft-set, --sft-lr, "
+    problem = recipe.config_problem(ft, cells[:1], out)
+    if problem is not None:
+        return (f"the fine-tunes would not start: {problem} (set by --sft-set, --sft-lr, "
                 "--sft-min-lr, --sft-warmup or --set)")
     return None
 
@@ -320,10 +316,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"(--steps {args.pretrain_steps})")
         print("fine-tunes:", " ".join(f"--set {x}" for x in ft.sets[len(args.sets):]),
               f"(--steps {args.sft_steps})")
-    elif args.analyse_only:
-        check_base(out, checkpoint, cells)  # tables of another base's fine-tunes: refused
     else:
+        # fine-tunes of another base are refused, to run beside or to analyse with
         check_base(out, checkpoint, cells)
+    if not args.dry_run and not args.analyse_only:
         try:
             # the base's own flags (--pretrain-data, --set) before it trains
             problem = recipe.config_problem(argparse.Namespace(

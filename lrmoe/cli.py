@@ -283,8 +283,9 @@ class _HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def _train_overrides(args: argparse.Namespace) -> Dict[str, Any]:
-    """The direct flags as flat config keys (None: not given)."""
+def train_overrides(args: argparse.Namespace) -> Dict[str, Any]:
+    """The direct flags of ``lrmoe train`` (parsed by :func:`build_parser`) as flat config
+    keys for :func:`lrmoe.train.build_config` (None: not given)."""
     return {"recalibration_rate": args.recalibration_rate,
             "retained_mass_target": args.retained_mass_target, "metric": args.metric,
             "quota_rule": args.quota_rule, "selection": args.selection, "steps": args.steps,
@@ -300,7 +301,7 @@ def _train_overrides(args: argparse.Namespace) -> Dict[str, Any]:
 def _cmd_train(args: argparse.Namespace) -> int:
     from lrmoe import train as T
 
-    overrides = _train_overrides(args)
+    overrides = train_overrides(args)
     ckpt = None
     if args.resume is not None:
         # where to look: --resume DIR, else --out, else the composed config's out_dir
