@@ -114,19 +114,24 @@ def _steps(summary: Optional[Mapping[str, Any]]) -> Optional[int]:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+def _completed_steps(summary: Optional[Mapping[str, Any]]) -> Optional[int]:
+    """The steps of a run that ended by itself (its summary's integer ``steps``, not
+    interrupted), else None: the one test behind :func:`cell_state` and :func:`finished`."""
+    n = _steps(summary)
+    return n if n is not None and not summary.get("interrupted") else None
+
+
 def cell_state(run_dir: Path, steps: int) -> str:
     """``done`` (summary at >= ``steps``), ``resume`` (has a checkpoint), ``short`` (a
     finished run of fewer steps whose checkpoints are gone, e.g. pruned: it cannot be
     extended, and starting it over would replace its results) or ``fresh``."""
-    summary = _read_json(run_dir / "summary.json")
-    n = _steps(summary)
-    finished_run = n is not None and not summary.get("interrupted")
-    if finished_run and n >= steps:
+    n = _completed_steps(_read_json(run_dir / "summary.json"))
+    if n is not None and n >= steps:
         return "done"
     ckpts = run_dir / "checkpoints"
     if ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir()):
         return "resume"
-    return "short" if finished_run else "fresh"
+    return "short" if n is not None else "fresh"
 
 
 def _keep_previous(run_dir: Path, root: Path) -> None:
@@ -314,10 +319,8 @@ def run_grid(cells: Sequence[Cell], root: str | os.PathLike, base_args: Sequence
 def finished(record: Mapping[str, Any], steps: int) -> bool:
     """Whether a :func:`collect` record is of a readable run that reached ``steps`` and
     was not interrupted (the same test as :func:`cell_state`'s ``done``)."""
-    summary = record.get("summary")
-    n = _steps(summary)
-    return not record.get("corrupt") and n is not None and n >= steps \
-        and not summary.get("interrupted")
+    n = _completed_steps(record.get("summary"))
+    return not record.get("corrupt") and n is not None and n >= steps
 
 
 def collect(cells: Sequence[Cell], root: str | os.PathLike) -> List[dict]:

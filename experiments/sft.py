@@ -322,10 +322,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.dry_run and not args.analyse_only:
         try:
             # the base's own flags (--pretrain-data, --set) before it trains
-            problem = recipe.config_problem(argparse.Namespace(
+            base_problem = recipe.config_problem(argparse.Namespace(
                 **{**vars(args), "steps": args.pretrain_steps}), [base_cell(args)], out)
-            problem = problem and f"the base would not start: {problem} (--pretrain-data, --set)"
-            problem = problem or fine_tune_problem(ft, cells, out)
+            problem = (fine_tune_problem(ft, cells, out) if base_problem is None else
+                       f"the base would not start: {base_problem} (--pretrain-data, --set)")
             if problem is None:
                 status = _grid.run_grid([base_cell(args)], out, recipe.base_args(args),
                                         args.pretrain_steps)
