@@ -6,7 +6,7 @@
 
 Grid: ``lrmoe train --preset P`` (default ``gpu-small``) at c in ``--rates`` (default 0 and
 0.3) x ``--offload none`` / ``activations``, one seed each (``--seeds``, default 0), the
-preset's MoE layers offloading their saved expert rows (lrmoe/offload.py). Per cell: the
+preset's MoE layers offloading their saved expert rows (lrmoe/moe/offload.py). Per cell: the
 peak device memory of the run (``peak_cuda_memory_gib`` of ``summary.json``; on the CPU
 the process's max RSS, which the offload does not change), training tokens/s, and the
 mean per-step bytes of the offload (``offload_h2d_bytes`` / ``offload_d2h_bytes`` of
@@ -112,7 +112,7 @@ def analyse(records, out: Path, args) -> str:
                             "max_rss_gib", "tokens_per_s", "h2d_mb_per_step",
                             "d2h_mb_per_step"]))
     if not args.no_bench:
-        from lrmoe.offload import reload_path
+        from lrmoe.moe.offload import reload_path
 
         result["bench"] = bench(args, out)
         result["bench_reload_path"] = reload_path()  # train cells: see their logs
@@ -136,7 +136,7 @@ if __name__ == "__main__":
     p.add_argument("--no-bench", action="store_true", help="train cells only")
     a = p.parse_args()
     if not a.no_bench:  # the benchmark runs after every training cell: check its shape now
-        from lrmoe.bench.routing import SHAPES
+        from lrmoe.workload.shapes import SHAPES
         if a.bench_shape not in SHAPES:
             p.error(f"--bench-shape {a.bench_shape!r}: choose from {sorted(SHAPES)}")
         if a.bench_tokens < 1 or a.bench_iters < 1:

@@ -112,7 +112,7 @@ def config_problem(args: argparse.Namespace, cells: Sequence[_grid.Cell], out: P
     import io
 
     from lrmoe import cli
-    from lrmoe import train as T
+    from lrmoe.training import train as T
 
     parser = cli.build_parser()
     for cell in cells:

@@ -20,8 +20,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from lrmoe import sim as S
-from lrmoe.sim_report import SHAPES
+from lrmoe.sim import simulate as S
+from lrmoe.sim.costs import Costs
+from lrmoe.sim.links import Links
+from lrmoe.workload.loads import cluster_loads
+from lrmoe.workload.shapes import SHAPES
 
 GiB = 1 << 30
 CLUSTERS = ((8, 2.0), (8, 4.0), (64, 2.0), (128, 2.0), (128, 8.0))
@@ -37,13 +40,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     shape = SHAPES["qwen3-30b-a3b"]
-    costs = S.Costs.from_file(args.costs, "qwen3-30b-a3b")
-    links = S.Links.from_file()
+    costs = Costs.from_file(args.costs, "qwen3-30b-a3b")
+    links = Links.from_file()
     mem = S.memory_model(shape, 80 * GiB, 64 * GiB)
     print("| GPUs | max/mean | policy | balance slack | fwd+bwd ms | kept | replicas |")
     print("|---|---|---|---|---|---|---|")
     for W, skew in CLUSTERS:
-        load = S.cluster_loads(W, shape.num_experts, 32768, shape.top_k, args.steps,
+        load = cluster_loads(W, shape.num_experts, 32768, shape.top_k, args.steps,
                                args.layers, max_over_mean=skew, seed=0)
         for policy, c, slack in CELLS:
             r = S.simulate(load, policy, mem, costs, links, shape.hidden_size, c,

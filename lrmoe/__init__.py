@@ -2,7 +2,7 @@
 
 Public API: :class:`LRMoEConfig`, :class:`LRMoELayer`, and the ops in :mod:`lrmoe.ops`.
 """
-from lrmoe.config import LRMoEConfig
+from lrmoe.moe.config import LRMoEConfig
 from lrmoe.layer import LRMoELayer
 
 __version__ = "0.1.0"

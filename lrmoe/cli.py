@@ -18,9 +18,9 @@ EXIT_INTERRUPTED = 130
 
 
 def _add_train_parser(sub: Any) -> None:
-    from lrmoe.offload import OFFLOAD_MODES
+    from lrmoe.moe.offload import OFFLOAD_MODES
     from lrmoe.ops import METRICS, QUOTA_RULES, SELECTIONS
-    from lrmoe.train import PRESETS
+    from lrmoe.training.train import PRESETS
 
     p = sub.add_parser(
         "train", help="train or fine-tune a Qwen3-MoE model with LRMoE layers",
@@ -164,8 +164,8 @@ def _add_bench_parser(sub: Any) -> None:
 
 
 def _add_plan_parser(sub: Any) -> None:
-    """``lrmoe plan ...``: placement policies on routed loads (lrmoe/plan_report.py)."""
-    from lrmoe.plan_report import add_plan_arguments, run_plan
+    """``lrmoe plan ...``: placement policies on routed loads (lrmoe/planner/report.py)."""
+    from lrmoe.planner.report import add_plan_arguments, run_plan
 
     p = sub.add_parser(
         "plan", help="plan expert placement and retention quotas per policy",
@@ -212,8 +212,8 @@ def _add_data_parser(sub: Any) -> None:
 
 
 def _add_calibrate_parser(sub: Any) -> None:
-    """``lrmoe calibrate ...``: the simulator's cost model (lrmoe/calibrate.py)."""
-    from lrmoe.calibrate import add_calibrate_arguments, calibrate
+    """``lrmoe calibrate ...``: the simulator's cost model (lrmoe/bench/calibrate.py)."""
+    from lrmoe.bench.calibrate import add_calibrate_arguments, calibrate
 
     p = sub.add_parser(
         "calibrate", help="measure the cluster simulator's cost model on this device",
@@ -234,8 +234,8 @@ def _add_calibrate_parser(sub: Any) -> None:
 
 
 def _add_sim_parser(sub: Any) -> None:
-    """``lrmoe sim ...``: the cluster simulator (lrmoe/sim.py, lrmoe/sim_report.py)."""
-    from lrmoe.sim_report import add_sim_arguments
+    """``lrmoe sim ...``: the cluster simulator (lrmoe/sim/simulate.py, lrmoe/sim/report.py)."""
+    from lrmoe.sim.report import add_sim_arguments
 
     p = sub.add_parser(
         "sim", help="simulate MoE layers on a cluster (figures like the paper's; simulated)",
@@ -248,7 +248,7 @@ def _add_sim_parser(sub: Any) -> None:
     add_sim_arguments(p)
 
     def _cmd(args: argparse.Namespace) -> int:
-        from lrmoe.sim_report import print_summary, run_sim
+        from lrmoe.sim.report import print_summary, run_sim
         out = run_sim(args)
         print_summary(out)
         print(f"lrmoe sim: wrote {args.out}/sim.json and figures ({out['seconds']:.1f} s)")
@@ -285,7 +285,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 def train_overrides(args: argparse.Namespace) -> Dict[str, Any]:
     """The direct flags of ``lrmoe train`` (parsed by :func:`build_parser`) as flat config
-    keys for :func:`lrmoe.train.build_config` (None: not given)."""
+    keys for :func:`lrmoe.training.train.build_config` (None: not given)."""
     return {"recalibration_rate": args.recalibration_rate,
             "retained_mass_target": args.retained_mass_target, "metric": args.metric,
             "quota_rule": args.quota_rule, "selection": args.selection, "steps": args.steps,
@@ -299,7 +299,7 @@ def train_overrides(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from lrmoe import train as T
+    from lrmoe.training import train as T
 
     overrides = train_overrides(args)
     ckpt = None

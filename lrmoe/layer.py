@@ -4,7 +4,7 @@ Legend: T tokens, H hidden size, E experts, K top_k, I expert intermediate size.
 
 :class:`MoECore` is what every LRMoE layer shares: expert sharding over the EP group and
 the config check across its ranks, the failure announcement before the dispatch, the call
-of the expert function (:class:`lrmoe.experts.ExpertFunction` on one device,
+of the expert function (:class:`lrmoe.moe.experts.ExpertFunction` on one device,
 :class:`lrmoe.parallel.ExpertParallelFunction` under EP), the shared-expert add and the
 step's statistics. :class:`MoELayerBase` is the ``nn.Module`` face built on it (the
 forward's order of steps, ``aux_loss``, diagnostics); :class:`LRMoELayer` (own router
@@ -21,13 +21,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lrmoe.config import LRMoEConfig
-from lrmoe.experts import BackwardStats, ExpertFunction
+from lrmoe.moe.config import LRMoEConfig
+from lrmoe.moe.stats import BackwardStats
+from lrmoe.moe.experts import ExpertFunction
 from lrmoe.parallel import (ExpertParallelFunction, announce_failure,
                             check_config_across_ranks, shard_experts)
 from lrmoe.parallel.placement import Placement
 from lrmoe.parallel.replicas import ReplicaState
-from lrmoe.router import Router, Routing, router_losses
+from lrmoe.moe.router import Router, Routing, router_losses
+from lrmoe.utils.phases import phase
 
 
 def _refuse_adaptive_rate(config: LRMoEConfig, where: str) -> None:
@@ -218,7 +220,7 @@ class MoELayerBase(nn.Module):
             ``token_mask`` (all tokens without one) -- add it to the training loss (it is
             not added to the output); 0 for an empty batch.
         router_logits: (T, E) float32 logits of the last forward.
-        trace: optional :class:`lrmoe.trace.RoutingTrace` fed the expert ids of recorded
+        trace: optional :class:`lrmoe.workload.trace.RoutingTrace` fed the expert ids of recorded
             steps; layer_index: this layer's index in it.
     """
 
@@ -237,7 +239,7 @@ class MoELayerBase(nn.Module):
 
     @property
     def stats(self) -> BackwardStats:
-        """:class:`lrmoe.experts.BackwardStats` of the last step."""
+        """:class:`lrmoe.moe.stats.BackwardStats` of the last step."""
         return self.core.stats
 
     @property
@@ -328,7 +330,7 @@ class MoELayerBase(nn.Module):
         retained mass, max/mean load before and after recalibration, buffer bytes.
 
         Synchronises with the device; call it when logging, not every micro-step.
-        See :meth:`lrmoe.experts.BackwardStats.summary` for the keys; with a placement
+        See :meth:`lrmoe.moe.stats.BackwardStats.summary` for the keys; with a placement
         policy also :meth:`lrmoe.parallel.replicas.ReplicaStats.summary`'s.
         """
         out = self.stats.summary()
@@ -440,7 +442,7 @@ class LRMoELayer(MoELayerBase):
         (x_TH,) = _to_compute_dtype(x_TH)
         if expert_ids is not None:
             expert_ids = check_expert_ids(expert_ids, x_TH, self.config)
-        with torch.profiler.record_function("lrmoe.router"):
+        with phase("router"):
             routing = self.gate(x_TH, expert_ids)
         return x_TH, routing
 

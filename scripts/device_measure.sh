@@ -53,7 +53,7 @@ log "offload rc $?"
 cp "$work/offload/report.md" "$out/offload_report.md" 2>/dev/null
 pack
 read -r -a methods <<< "${BENCH_METHODS:-lrmoe dropless}"
-"$py" -c "import sys; from lrmoe.bench.torchtitan_moe import torchtitan_missing as m; \
+"$py" -c "import sys; from lrmoe.bench.baselines.torchtitan_moe import torchtitan_missing as m; \
 sys.exit(m() is not None)" 2>/dev/null && methods+=(torchtitan)
 timeout "${CAP_BENCH:-200}" "$py" -m lrmoe bench layer --shapes qwen3-30b-a3b glm-4.5-air \
   --tokens 32768 --routing skewed --rates 0 0.2 0.3 --methods "${methods[@]}" --cuda-graph \

@@ -34,7 +34,7 @@ start=$(date +%s)
   echo "pytest rc $? after $(( $(date +%s) - start )) s"; } > "$out/gpu_tests.txt" 2>&1
 
 methods=(lrmoe dropless)
-"$py" -c "import sys; from lrmoe.bench.torchtitan_moe import torchtitan_missing as m; \
+"$py" -c "import sys; from lrmoe.bench.baselines.torchtitan_moe import torchtitan_missing as m; \
 sys.exit(m() is not None)" 2>/dev/null && methods+=(torchtitan)
 case_args=(--shapes qwen3-30b-a3b --tokens 32768 --cuda-graph)
 [[ "${LRMOE_SPEED_SMOKE:-0}" == 1 ]] && case_args=(--smoke --device cpu --rates 0 0.3)

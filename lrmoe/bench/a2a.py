@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from lrmoe.paths import check_output
-from lrmoe.links import DEFAULT_LINKS, Links
+from lrmoe.utils.paths import check_output
+from lrmoe.sim.links import DEFAULT_LINKS, Links
 
 #: default per-peer message sizes, KiB: 4 KiB (latency-bound) to 64 MiB (bandwidth-bound)
 DEFAULT_SIZES_KIB = (4, 16, 64, 256, 1024, 4096, 16384, 65536)

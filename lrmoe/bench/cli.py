@@ -12,11 +12,13 @@ import sys
 from typing import List, Optional
 
 from lrmoe.bench.methods import EP_METHODS, METHODS
-from lrmoe.bench.report import A2A_PHASES, FAILED
-from lrmoe.bench.routing import DEFAULT_ROTATE, ROUTINGS, SHAPES
-from lrmoe.offload import OFFLOAD_MODES
-from lrmoe.parallel.placement import POLICIES
-from lrmoe.paths import check_output
+from lrmoe.utils.phases import A2A_PHASES
+from lrmoe.bench.report import FAILED
+from lrmoe.workload.routing import DEFAULT_ROTATE, ROUTINGS
+from lrmoe.workload.shapes import SHAPES
+from lrmoe.moe.offload import OFFLOAD_MODES
+from lrmoe.planner.plan import POLICIES
+from lrmoe.utils.paths import check_output
 
 
 DEFAULT_TOKENS = (16384, 32768)
@@ -119,7 +121,7 @@ def _check_trace(args: argparse.Namespace) -> None:
     if not args.trace:
         raise ValueError("--routing trace needs --trace PATH (a .npz from `lrmoe train "
                          "--record-trace PATH`)")
-    from lrmoe.trace import load_trace
+    from lrmoe.workload.trace import load_trace
 
     meta, _ = load_trace(args.trace)
     for name in args.shapes:
@@ -143,7 +145,7 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
             several torchrun processes without ``--ep``, or ``--offload``,
             ``--profile-dir`` or ``--cuda-graph`` with ``--ep``; an ``--out``,
             ``--profile-dir`` or ``--append-md`` that cannot be written
-            (:func:`lrmoe.paths.check_output`); ``--iters``/``--rotate``/
+            (:func:`lrmoe.utils.paths.check_output`); ``--iters``/``--rotate``/
             ``--transformers-iters`` < 1, ``--warmup`` < 0, a rate outside [0, 1), or
             ``--device cuda`` without a CUDA device.
     """

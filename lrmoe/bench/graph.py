@@ -26,7 +26,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from lrmoe.config import LRMoEConfig
+from lrmoe.moe.config import LRMoEConfig
 
 
 def check_capturable(config: LRMoEConfig) -> None:
@@ -205,7 +205,7 @@ def capture_profiled(step: GraphedStep, inputs, device: torch.device):
     to record the kernels of its replays. The replay's forward runs in ``lrmoe:forward``
     and its backward in ``lrmoe:backward`` (as :func:`lrmoe.bench.timing.profile_step`).
     Returns the profile."""
-    from lrmoe.bench.profile import BWD_RANGE, FWD_RANGE
+    from lrmoe.utils.phases import BWD_RANGE, FWD_RANGE
     from lrmoe.bench.timing import profiled
 
     with profiled(device) as prof:

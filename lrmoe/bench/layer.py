@@ -1,7 +1,7 @@
 """``lrmoe bench layer``: one MoE layer on one device, forward + backward, LRMoE against
 its baselines.
 
-In one run, for every (shape, token count, routing) case (:mod:`lrmoe.bench.routing`),
+In one run, for every (shape, token count, routing) case (:mod:`lrmoe.bench.cases`),
 every method of :mod:`lrmoe.bench.methods` -- LRMoE at each recalibration rate (metric
 ``lrm``), ``dropless``, ``transformers`` and, where importable, ``torchtitan`` -- on one
 set of weights, inputs and routing. A baseline first passes an agreement check against
@@ -26,11 +26,11 @@ from lrmoe.bench.profile import (CPU_OP_CAT, DEVICE_CATS, load_trace, trace_name
                                  where_time_goes)
 from lrmoe.bench.profile import write as write_time_goes
 from lrmoe.bench.report import FAILED, check_targets, markdown, plot, write_reports
-from lrmoe.bench.routing import DEFAULT_ROTATE, Case, cases, load_imbalance, make_inputs
+from lrmoe.workload.routing import DEFAULT_ROTATE, load_imbalance
+from lrmoe.bench.cases import Case, cases, make_inputs
 from lrmoe.bench.timing import (PeakMemory, Timer, achieved_rates, kernel_split,
-                                measure_ceilings, phase_times, profile_step,
-                                time_iterations)
-from lrmoe.offload import OFFLOAD_MODES
+                                measure_ceilings, phase_times, profile_step, time_iterations)
+from lrmoe.moe.offload import OFFLOAD_MODES
 
 
 def run_case(case: Case, rates: Sequence[float], methods: Sequence[str], device: torch.device,
@@ -224,7 +224,7 @@ def bench_layer(shapes: Sequence[str], tokens: Sequence[int], routings: Sequence
     ``layer_bench.png`` under ``out_dir`` (and append the markdown to ``append_md``).
 
     Args:
-        shapes: keys of :data:`lrmoe.bench.routing.SHAPES`. tokens: token counts T.
+        shapes: keys of :data:`lrmoe.workload.shapes.SHAPES`. tokens: token counts T.
             routings: uniform, skewed, trace. rates: LRMoE recalibration rates.
         methods: of :data:`lrmoe.bench.methods.METHODS` (default: every one importable
             here, :func:`lrmoe.bench.methods.default_methods`).

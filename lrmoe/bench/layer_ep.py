@@ -2,11 +2,11 @@
 
 Launch: ``torchrun --nproc-per-node N -m lrmoe bench layer --ep N [options]``. Each rank
 holds E / N experts and its OWN ``--tokens`` tokens (tokens per rank), routing and inputs
-(input set s of rank r uses seed ``s + 1000 r``: :func:`lrmoe.bench.routing.make_inputs`).
+(input set s of rank r uses seed ``s + 1000 r``: :func:`lrmoe.bench.cases.make_inputs`).
 Methods, all on one seeded set of weights (each rank's expert shard is the same slice):
   * LRMoE at each recalibration rate (``LRMoELayer(cfg, ep_group=WORLD)``,
     :mod:`lrmoe.parallel`: only kept gradient rows cross the backward all-to-all);
-  * ``dropless``: ``dropless_moe_ep`` of :mod:`lrmoe.bench.dropless` (torchtitan-style
+  * ``dropless``: ``dropless_moe_ep`` of :mod:`lrmoe.bench.baselines.dropless` (torchtitan-style
     all-to-all dispatch and combine, autograd's backward moves every pair both ways),
     first checked against LRMoE at c = 0 (output and input gradient, the maximum error
     over ranks; every rank then skips it alike when it disagrees).
@@ -42,10 +42,10 @@ import torch.distributed as dist
 
 from lrmoe.bench.methods import (EP_METHODS, build_methods, check_agreement, check_choices,
                                  reference_outputs)
-from lrmoe.bench.report import (BYTES_BWD, BYTES_FWD, FAILED, markdown_ep,
-                                write_reports)
-from lrmoe.bench.routing import (DEFAULT_ROTATE, ROUTING_SEED_STRIDE, SHAPES, Case, cases,
-                                 make_inputs)
+from lrmoe.bench.report import BYTES_BWD, BYTES_FWD, FAILED, markdown_ep, write_reports
+from lrmoe.workload.routing import DEFAULT_ROTATE, ROUTING_SEED_STRIDE
+from lrmoe.workload.shapes import SHAPES
+from lrmoe.bench.cases import Case, cases, make_inputs
 from lrmoe.bench.timing import (PeakMemory, Timer, kernel_split, phase_times, profile_step,
                                 profiled, time_iterations)
 

@@ -2,7 +2,7 @@
 
 The registry of methods and their builders is :mod:`lrmoe.bench.methods`; this module
 holds only what every builder needs, the torchtitan baseline's
-(:mod:`lrmoe.bench.torchtitan_moe`) included.
+(:mod:`lrmoe.bench.baselines.torchtitan_moe`) included.
 
 Legend: T tokens, H hidden, K top_k.
 """

@@ -1,10 +1,10 @@
 """The methods ``lrmoe bench layer`` times, all over ONE set of weights.
 
   * ``lrmoe``: :class:`lrmoe.layer.LRMoELayer` at each recalibration rate c;
-  * ``dropless``: the torchtitan-style grouped-GEMM MoE of :mod:`lrmoe.bench.dropless`
+  * ``dropless``: the torchtitan-style grouped-GEMM MoE of :mod:`lrmoe.bench.baselines.dropless`
     (autograd's own backward); under expert parallelism ``dropless_moe_ep``;
   * ``transformers``: transformers' ``Qwen3MoeSparseMoeBlock`` as shipped;
-  * ``torchtitan``: torchtitan's own ``MoE`` module (:mod:`lrmoe.bench.torchtitan_moe`),
+  * ``torchtitan``: torchtitan's own ``MoE`` module (:mod:`lrmoe.bench.baselines.torchtitan_moe`),
     where torchtitan is importable.
 
 Every method sees the same inputs and the same routing: the case's forced expert ids,
@@ -24,12 +24,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 # Method and the tolerances live in lrmoe.bench.method so that the torchtitan baseline
-# (lrmoe.bench.torchtitan_moe), which this module builds, need not import this one back.
+# (lrmoe.bench.baselines.torchtitan_moe), which this module builds, need not import this one back.
 from lrmoe.bench.method import Method, tolerance
-from lrmoe.bench.routing import SHAPES, Case, Inputs
-from lrmoe.config import LRMoEConfig
+from lrmoe.workload.shapes import SHAPES
+from lrmoe.bench.cases import Case, Inputs
+from lrmoe.moe.config import LRMoEConfig
 from lrmoe.layer import LRMoELayer
 from lrmoe.parallel.placement import Placement
+from lrmoe.utils.phases import phase
 
 METHODS = ("lrmoe", "dropless", "transformers", "torchtitan")
 #: the methods that have an expert-parallel mode (``--ep``)
@@ -38,7 +40,7 @@ EP_METHODS = ("lrmoe", "dropless")
 
 def default_methods() -> List[str]:
     """Every method that can run here: ``torchtitan`` only where it is importable."""
-    from lrmoe.bench.torchtitan_moe import torchtitan_missing
+    from lrmoe.bench.baselines.torchtitan_moe import torchtitan_missing
     return [m for m in METHODS if m != "torchtitan" or torchtitan_missing() is None]
 
 
@@ -56,7 +58,7 @@ def check_choices(shapes: Sequence[str], methods: Sequence[str], dtype: str) -> 
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
     if "torchtitan" in methods:
-        from lrmoe.bench.torchtitan_moe import torchtitan_missing
+        from lrmoe.bench.baselines.torchtitan_moe import torchtitan_missing
         missing = torchtitan_missing()
         if missing is not None:
             raise ValueError(f"--methods torchtitan: {missing}")
@@ -142,14 +144,14 @@ def build_methods(case: Case, rates: Sequence[float], methods: Sequence[str],
     if "transformers" in methods:
         out.append(_transformers_method(base, case, device))
     if "torchtitan" in methods:
-        from lrmoe.bench.torchtitan_moe import torchtitan_method
+        from lrmoe.bench.baselines.torchtitan_moe import torchtitan_method
         out.append(torchtitan_method(base, case, device))
     return out
 
 
 def _dropless_method(layer: LRMoELayer, case: Case, ep_group) -> Method:
     """The dropless baseline on ``layer``'s router, experts and shared expert."""
-    from lrmoe.bench.dropless import dropless_moe, dropless_moe_ep
+    from lrmoe.bench.baselines.dropless import dropless_moe, dropless_moe_ep
 
     a2a_bytes: Dict[str, int] = {}
     if ep_group is None:
@@ -159,7 +161,7 @@ def _dropless_method(layer: LRMoELayer, case: Case, ep_group) -> Method:
             return dropless_moe_ep(*args, group=ep_group, a2a_bytes=a2a_bytes)
 
     def run_dropless(x, ids):
-        with torch.profiler.record_function("lrmoe.router"):
+        with phase("router"):
             routing = layer.gate(x, ids)
         o = dropless(x, routing.weights_TK, routing.expert_ids_TK,
                      layer.experts.gate_up_proj, layer.experts.down_proj)
@@ -189,7 +191,7 @@ def _transformers_method(base: LRMoELayer, case: Case, device: torch.device) -> 
     forced = {}
 
     def gate_forward(hidden):
-        with torch.profiler.record_function("lrmoe.router"):
+        with phase("router"):
             logits = F.linear(hidden, block.gate.weight)
             probs = torch.softmax(logits, dtype=torch.float, dim=-1)
             w = probs.gather(1, forced["ids"])

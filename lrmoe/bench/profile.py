@@ -29,7 +29,8 @@ import re
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-FWD_RANGE, BWD_RANGE = "lrmoe:forward", "lrmoe:backward"
+from lrmoe.utils.phases import BWD_RANGE, FWD_RANGE
+
 PARTS = (("forward", FWD_RANGE), ("backward", BWD_RANGE))
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")

@@ -18,10 +18,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from lrmoe.parallel.replicas import max_over_mean
-from lrmoe.bench.timing import PHASES_BWD, PHASES_FWD
+from lrmoe.moe.stats import max_over_mean
+from lrmoe.utils.phases import A2A_PHASES, PHASES_BWD, PHASES_FWD
 
-A2A_PHASES = ("a2a_counts", "a2a_dispatch", "a2a_combine", "a2a_grad", "a2a_dx")
 BYTES_FWD = ("counts", "forward_dispatch", "forward_combine")
 BYTES_BWD = ("backward_grad", "backward_index", "backward_dx")
 FAILED = "failed agreement check"
@@ -308,7 +307,7 @@ def write_reports(result: dict, md: str, out_dir: str, stem: str,
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     (out / f"{stem}.md").write_text(md)
     if append_md:
-        # check_output (lrmoe/paths.py) let missing folders pass: make them
+        # check_output (lrmoe/utils/paths.py) let missing folders pass: make them
         Path(append_md).parent.mkdir(parents=True, exist_ok=True)
         with open(append_md, "a") as f:
             f.write("\n" + md)

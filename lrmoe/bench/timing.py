@@ -28,12 +28,10 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from lrmoe.bench.profile import BWD_RANGE, FWD_RANGE
-from lrmoe.bench.routing import Case, Inputs
-from lrmoe.clock import DeviceClock
+from lrmoe.utils.phases import BWD_RANGE, FWD_RANGE
+from lrmoe.bench.cases import Case, Inputs
+from lrmoe.utils.clock import DeviceClock
 
-PHASES_FWD = ("router", "permute", "expert_gemm_fwd", "combine")
-PHASES_BWD = ("router_grad", "score", "select", "compact", "expert_gemm_bwd", "scatter")
 GEMM_NAMES = ("gemm", "Gemm", "GEMM", "cutlass", "xmma", "wgmma")
 
 #: a stderr line written by the profiler: kineto's log format

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, Sequence, Tuple
 
-from lrmoe.paths import check_output
+from lrmoe.utils.paths import check_output
 
 #: Where Debian's ``wordnet-base`` installs the database.
 DEFAULT_DIR = Path("/usr/share/wordnet")
@@ -285,7 +285,7 @@ def build(out: str | os.PathLike, wordnet_dir: str | os.PathLike = DEFAULT_DIR,
         ``{task: records}`` counts, plus ``"total"``.
     Raises:
         FileNotFoundError, ValueError: see :func:`build_records`; ValueError also for an
-            ``out`` that cannot be written (:func:`lrmoe.paths.check_output`).
+            ``out`` that cannot be written (:func:`lrmoe.utils.paths.check_output`).
     """
     check_output("--out", out, is_dir=False)
     records = build_records(wordnet_dir, max_senses)

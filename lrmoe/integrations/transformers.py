@@ -30,7 +30,7 @@ fp32, the cast of the weights, group-limited selection -- is the transformers co
 and transformers' ``OutputRecorder`` (which hooks the router *class*, output index 0, to
 collect ``router_logits`` when ``output_router_logits=True``) keeps working: the model's
 own ``aux_loss`` and ``loss`` are those of the unpatched model. Only the routed experts
-change: they run through :class:`lrmoe.experts.ExpertFunction` (or, with ``ep_group``,
+change: they run through :class:`lrmoe.moe.experts.ExpertFunction` (or, with ``ep_group``,
 :class:`lrmoe.parallel.ExpertParallelFunction`): exact forward, planned backward with
 recalibration rate c. The shared expert(s) are the block's own modules.
 
@@ -56,12 +56,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.profiler import record_function
 
-from lrmoe.config import LRMoEConfig
-from lrmoe.experts import dropped_fraction
+from lrmoe.moe.config import LRMoEConfig
+from lrmoe.moe.stats import dropped_fraction
 from lrmoe.layer import MoECore, MoELayerBase
-from lrmoe.router import Routing, _check_finite
+from lrmoe.moe.router import Routing, _check_finite
+from lrmoe.utils.phases import phase
 
 try:
     import transformers
@@ -202,7 +202,7 @@ class TransformersMoELayer(MoELayerBase):
             # MixtralSparseMoeBlock: the same draw, applied to router and expert input
             x_TH = x_TH * torch.empty_like(x_TH).uniform_(1.0 - self.jitter_noise,
                                                           1.0 + self.jitter_noise)
-        with record_function("lrmoe.router"):
+        with phase("router"):
             # (T, E) logits in the router's dtype (collected by transformers' recorder),
             # (T, K) weights, (T, K) int64 ids -- the family's own routing code
             logits, weights_TK, expert_ids_TK = self.gate(x_TH)

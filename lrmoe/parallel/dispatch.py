@@ -19,10 +19,10 @@ from typing import Any, List, Tuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.profiler import record_function as phase  # names the benchmark's breakdown
+from lrmoe.utils.phases import phase
 
 from lrmoe import ops
-from lrmoe.config import LRMoEConfig
+from lrmoe.moe.config import LRMoEConfig
 from lrmoe.parallel.group import comm_device, config_hash, raise_on_mismatch
 from lrmoe.parallel.plan import DispatchPlan, h2d, inverse_permutation
 
@@ -55,7 +55,7 @@ def exchange_counts(tokens_per_expert_E: Tensor, config: LRMoEConfig, group,
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     dev = tokens_per_expert_E.device
     extra = [] if placement is None else [int(flag)]
-    with phase("lrmoe.a2a_counts"):
+    with phase("a2a_counts"):
         meta = torch.cat([tokens_per_expert_E.long(), h2d(
             extra + [config_hash(config, world, dtype, placement)], torch.int64, dev)])
         meta_comm = meta.to(comm_device(group))
@@ -74,12 +74,12 @@ def dispatch(x_PH: Tensor, plan: DispatchPlan, group) -> Tensor:
     order (``lrmoe.a2a_dispatch``; the re-sorts into send order and into instance order
     under ``lrmoe.permute``)."""
     if plan.send_row_P is not None:
-        with phase("lrmoe.permute"):
+        with phase("permute"):
             x_PH = ops.gather_rows(x_PH, plan.send_row_P, None, 1)
-    with phase("lrmoe.a2a_dispatch"):
+    with phase("a2a_dispatch"):
         x_recv_NH = all_to_all_rows(x_PH, plan.num_received, plan.input_splits,
                                     plan.output_splits, group)
-    with phase("lrmoe.permute"):
+    with phase("permute"):
         return ops.gather_rows(x_recv_NH, plan.expert_to_arrival_N, None, 1)
 
 
@@ -88,16 +88,16 @@ def combine(y_NH: Tensor, phi_sq_N: Tensor, plan: DispatchPlan, group,
     """Return the expert outputs (expert order) and their fp32 ||phi||^2 to the source
     ranks: (N, H), (N,) -> (P, H), (P,) in this rank's row order (``lrmoe.permute`` for the
     un-sort, then ``lrmoe.a2a_combine``)."""
-    with phase("lrmoe.permute"):
+    with phase("permute"):
         y_recv_NH = ops.gather_rows(y_NH, plan.arrival_to_expert_N, None, 1)
         phi_sq_recv_N = phi_sq_N.index_select(0, plan.arrival_to_expert_N)
-    with phase("lrmoe.a2a_combine"):
+    with phase("a2a_combine"):
         y_PH = all_to_all_rows(y_recv_NH, num_pairs, plan.output_splits, plan.input_splits,
                                group)
         phi_sq_P = all_to_all_rows(phi_sq_recv_N, num_pairs, plan.output_splits,
                                    plan.input_splits, group)
     if plan.send_pos_P is not None:  # send order -> this rank's row order
-        with phase("lrmoe.permute"):
+        with phase("permute"):
             y_PH = ops.gather_rows(y_PH, plan.send_pos_P, None, 1)
             phi_sq_P = phi_sq_P.index_select(0, plan.send_pos_P)
     return y_PH, phi_sq_P
@@ -121,16 +121,16 @@ def dispatch_grads(G_RH: Tensor, positions_R: Tensor, plan: DispatchPlan, group
     m = plan.num_grad_received
     positions_R = positions_R.to(torch.int32)
     if plan.send_pos_P is not None:
-        with phase("lrmoe.compact"):
+        with phase("compact"):
             positions_R = plan.send_pos_P.index_select(0, positions_R.long())
             G_RH = ops.gather_rows(G_RH, plan.grad_send_R, None, 1)
             positions_R = positions_R.index_select(0, plan.grad_send_R.long())
-    with phase("lrmoe.a2a_grad"):
+    with phase("a2a_grad"):
         G_recv_MH = all_to_all_rows(G_RH, m, plan.grad_input_splits, plan.grad_output_splits,
                                     group)
         pos_recv_M = all_to_all_rows(positions_R, m, plan.grad_input_splits,
                                      plan.grad_output_splits, group)
-    with phase("lrmoe.compact"):
+    with phase("compact"):
         # position in source s's row order -> arrival row of the forward -> expert order
         row_M = plan.arrival_to_expert_N.index_select(0, pos_recv_M.long() + plan.grad_base_M)
         rows_M, order_M = torch.sort(row_M)  # (local expert, source) order
@@ -141,15 +141,15 @@ def dispatch_grads(G_RH: Tensor, positions_R: Tensor, plan: DispatchPlan, group
 def combine_dx(dx_MH: Tensor, order_M: Tensor, plan: DispatchPlan, group) -> Tensor:
     """Return dX of the kept rows to their sources, in the kept order of the selection:
     (M, H) -> (R, H) (``lrmoe.scatter`` for the un-sort, then ``lrmoe.a2a_dx``)."""
-    with phase("lrmoe.scatter"):
+    with phase("scatter"):
         dx_recv_MH = ops.gather_rows(dx_MH, inverse_permutation(order_M).to(torch.int32),
                                      None, 1)
-    with phase("lrmoe.a2a_dx"):
+    with phase("a2a_dx"):
         dx_RH = all_to_all_rows(dx_recv_MH, plan.num_retained, plan.grad_output_splits,
                                 plan.grad_input_splits, group)
     if plan.grad_send_R is None:
         return dx_RH
-    with phase("lrmoe.scatter"):  # send order -> the kept order of the selection
+    with phase("scatter"):  # send order -> the kept order of the selection
         return ops.gather_rows(dx_RH, inverse_permutation(plan.grad_send_R), None, 1)
 
 

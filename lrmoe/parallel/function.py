@@ -3,7 +3,7 @@
 Legend as in :mod:`lrmoe.parallel.plan`; ``_L`` tensors hold this rank's El local experts
 (the owner shard) or, inside, its L local instances (own experts and replicas; L = El
 under fixed ownership). The steps are the exchanges of :mod:`lrmoe.parallel.dispatch`
-around the one expert core of :mod:`lrmoe.experts` (the same GEMMs, selection and
+around the one expert core of :mod:`lrmoe.moe.experts` (the same GEMMs, selection and
 compaction as one device); with a placement policy the layout of each call comes from the
 planner and replica weights and gradients move by :mod:`lrmoe.parallel.replicas`.
 """
@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function as phase  # names the benchmark's breakdown
+from lrmoe.utils.phases import phase
 
 from lrmoe import ops
-from lrmoe.config import LRMoEConfig
-from lrmoe.experts import expert_backward, expert_forward, select_pairs
-from lrmoe.offload import offload_for
+from lrmoe.moe.config import LRMoEConfig
+from lrmoe.moe.experts import expert_backward, expert_forward
+from lrmoe.moe.selection import select_pairs
+from lrmoe.moe.offload import offload_for
 from lrmoe.parallel.dispatch import (combine, combine_dx, dispatch, dispatch_grads,
                                      exchange_counts)
 from lrmoe.parallel.group import announce_failure
@@ -28,7 +29,7 @@ class ExpertParallelFunction(torch.autograd.Function):
 
     ``apply(x_TH, weights_TK, expert_ids_TK, w_gate_up_L2IH, w_down_LHI, config, stats,
     group, replicas=None)`` with the LOCAL expert shards (El = E / W); the other arguments
-    as :class:`lrmoe.experts.ExpertFunction`; ``replicas``: the layer's
+    as :class:`lrmoe.moe.experts.ExpertFunction`; ``replicas``: the layer's
     :class:`lrmoe.parallel.replicas.ReplicaState` (a placement policy) or None (fixed
     ownership, no planner). A collective: every rank of ``group`` must call forward and
     backward (a rank with T = 0 included). The returned gradient of the shard holds the
@@ -47,7 +48,7 @@ class ExpertParallelFunction(torch.autograd.Function):
                 config: LRMoEConfig, stats, group, replicas=None):
         top_k, el = expert_ids_TK.shape[1], w_gate_up_L2IH.shape[0]
         try:
-            with phase("lrmoe.permute"):
+            with phase("permute"):
                 row_pair_P, pair_row_P, n_E, offsets_E = ops.permute(expert_ids_TK,
                                                                      config.num_experts)
                 x_PH = ops.gather_rows(x_TH, row_pair_P, None, top_k)
@@ -61,7 +62,7 @@ class ExpertParallelFunction(torch.autograd.Function):
                                                         placement, int(fresh))
         layout = None
         if replicas is not None:
-            with phase("lrmoe.plan"):
+            with phase("plan"):
                 layout = replicas.layout(counts_host, config, rank, el)
         plan = build_plan(counts_host, counts_WE, rank, el, config, layout)
         w_gate_up_I2IH, w_down_IHI = w_gate_up_L2IH, w_down_LHI  # this rank's instances
@@ -74,10 +75,10 @@ class ExpertParallelFunction(torch.autograd.Function):
         h_N2I, phi_sq_N, y_NH = expert_forward(x_NH, w_gate_up_I2IH, w_down_IHI,
                                                plan.offsets_L)
         y_PH, phi_sq_P = combine(y_NH, phi_sq_N, plan, group, x_PH.shape[0])
-        with phase("lrmoe.combine"):
+        with phase("combine"):
             o_TH = ops.combine(y_PH, pair_row_P, weights_TK, top_k)
 
-        # offload (lrmoe/offload.py): the received x rows and h wait in host memory
+        # offload (lrmoe/moe/offload.py): the received x rows and h wait in host memory
         ctx.offload = offload_for(config.offload, stats)
         if ctx.offload is not None:
             ctx.x_stored, ctx.h_stored = ctx.offload.store(x_NH), ctx.offload.store(h_N2I)
@@ -119,11 +120,11 @@ class ExpertParallelFunction(torch.autograd.Function):
         if positions_R is None:  # selection off: every row, in row order
             positions_R = torch.arange(row_pair_P.shape[0], dtype=torch.int32,
                                        device=g_TH.device)
-        with phase("lrmoe.compact"):
+        with phase("compact"):
             G_RH = ops.gather_rows(g_TH, kept.kept_pair_R, kept.scale_R, top_k)
         G_MH, rows_M, order_M = dispatch_grads(G_RH, positions_R, plan, group)
         if ctx.offload is None:
-            with phase("lrmoe.compact"):
+            with phase("compact"):
                 X_MH = ops.gather_rows(x_NH, rows_M, None, 1)
             h_rows_M = rows_M  # the kept rows of h are read in place, as on one device
         else:  # offload: reload only the kept rows of x and h, compacted
@@ -136,7 +137,7 @@ class ExpertParallelFunction(torch.autograd.Function):
             grad_w_gate_up_L2IH, grad_w_down_LHI = ctx.replicas.reduce_grads(
                 grad_w_gate_up_L2IH, grad_w_down_LHI, plan.weights, ctx.num_local_experts,
                 group)
-        with phase("lrmoe.scatter"):
+        with phase("scatter"):
             grad_x_TH = ops.combine(dx_RH, kept.pair_kept_P, None, top_k)
 
         row_bytes = g_TH.shape[1] * g_TH.element_size()

@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lrmoe.config import LRMoEConfig
+from lrmoe.moe.config import LRMoEConfig
 
 _HASH_FIELDS = ("hidden_size", "moe_intermediate_size", "num_experts", "top_k", "router",
                 "norm_topk_prob", "routed_scaling_factor", "shared_expert_intermediate_size",

@@ -12,11 +12,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lrmoe.planner import DEFAULT_BALANCE_SLACK
+from lrmoe.planner.plan import DEFAULT_BALANCE_SLACK, POLICIES
 
 #: the budget when none is given: no memory limit (the plan then only balances)
 UNLIMITED_BUDGET = 1 << 62
-POLICIES = ("fixed", "ultraep", "symi", "lrmoe")
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,7 @@ class Placement:
         symi_slots: S slots per GPU for ``symi`` (0: ceil(E / W) + R).
         max_expert_cut: ``lrmoe`` keeps at least floor((1 - this) n_e) of each expert.
         balance_slack: ``lrmoe``'s balance target, met with replicas
-            (:data:`lrmoe.planner.DEFAULT_BALANCE_SLACK`, 0: at most the mean retained
+            (:data:`lrmoe.planner.plan.DEFAULT_BALANCE_SLACK`, 0: at most the mean retained
             rows per rank; None: memory only).
     """
 
@@ -93,7 +92,7 @@ def placement_from_config(parallel: Any, resident_bytes: int = 0) -> Optional[Pl
     Raises:
         ValueError: an invalid value, naming the ``parallel.*`` field.
     """
-    from lrmoe.planner import parse_bytes
+    from lrmoe.planner.plan import parse_bytes
 
     if parallel.policy is None:
         return None

@@ -32,15 +32,15 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
-from torch.profiler import record_function as phase  # names the benchmark's breakdown
+from lrmoe.utils.phases import phase
 
 from lrmoe import ops
-from lrmoe.config import LRMoEConfig
+from lrmoe.moe.config import LRMoEConfig
 
 
 @dataclass(frozen=True)
 class InstanceLayout:
-    """Where each expert runs: the part of a :class:`lrmoe.planner.Plan` the exchanges
+    """Where each expert runs: the part of a :class:`lrmoe.planner.plan.Plan` the exchanges
     follow (docs/planner.md, "Executing a plan"). Host int64 CPU tensors.
 
     Instances are numbered expert-major (expert e's instances are
@@ -198,7 +198,7 @@ def build_plan(counts_host: List[List[int]], counts_WE: Tensor, rank: int,
     counts_cpu = torch.tensor(counts_host, dtype=torch.int32).reshape(world, -1)
     loads_cpu = counts_cpu.sum(0).to(torch.int32)
     if layout is None:
-        with phase("lrmoe.select"):
+        with phase("select"):
             if config.selective_backward:
                 # the same exact C++ as on the device, on host tensors: no device sync
                 quota_cpu = ops.quota(loads_cpu, config.recalibration_rate, config.quota_rule)
@@ -218,7 +218,7 @@ def build_plan(counts_host: List[List[int]], counts_WE: Tensor, rank: int,
     input_splits = _rank_sums(fwd_IW[:, rank], rank_I, world)
     output_splits = fwd_LW.sum(0).tolist()
     num_received = sum(output_splits)
-    with phase("lrmoe.permute"):
+    with phase("permute"):
         send_row_P = send_pos_P = None
         if not identity:
             send_row = _cell_permutation(fwd_IW[:, rank], by_dest_I)
@@ -227,7 +227,7 @@ def build_plan(counts_host: List[List[int]], counts_WE: Tensor, rank: int,
         dest_N, offsets_L = _source_to_expert_order(h2d(fwd_LW.t(), torch.int64, dev),
                                                     num_received)
 
-    with phase("lrmoe.select"):
+    with phase("select"):
         share_I = kept_IW[:, rank]
         share_E = torch.zeros(loads_cpu.numel(), dtype=torch.int64).index_add_(
             0, expert_I, share_I)

@@ -9,9 +9,9 @@ One expert copy is one row of ``3 H I`` parameters (``gate_up_proj[e]`` then
 ``down_proj[e]``, flattened).
 
 Flow of one layer call (docs/planner.md, "Executing a plan"; README "Placement policies
-and replicas"): after the counts exchange every rank calls :func:`lrmoe.planner.plan`
+and replicas"): after the counts exchange every rank calls :func:`lrmoe.planner.plan.plan`
 with the same (W, E) counts and settings (no collective) -> :meth:`ReplicaState.layout`
-turns the :class:`lrmoe.planner.Plan` into an :class:`InstanceLayout` -> the dispatch plan
+turns the :class:`lrmoe.planner.plan.Plan` into an :class:`InstanceLayout` -> the dispatch plan
 follows it -> replica weights: ``ultraep`` and ``lrmoe`` fetch them from their owners in
 the forward (:func:`fetch_weights`, one all-to-all); ``symi`` reads the copies that
 :func:`push_replica_weights` sent after the last optimizer step (and fetches when they are
@@ -29,10 +29,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.profiler import record_function as phase  # names the benchmark's breakdown
+from lrmoe.utils.phases import phase
 
 from lrmoe import ops
-from lrmoe.config import LRMoEConfig
+from lrmoe.moe.config import LRMoEConfig
 from lrmoe.parallel.dispatch import all_to_all_rows
 from lrmoe.parallel.placement import UNLIMITED_BUDGET, Placement
 from lrmoe.parallel.plan import (InstanceLayout, WeightRoutes, cell_shares, h2d,
@@ -60,7 +60,7 @@ class ReplicaStats:
             ``replica_push``, ``replica_grads`` (expert copies).
         memory_W4: (W, 4) int64 CPU tensor, the plan's bytes per rank (base experts,
             replicas, forward token buffers, backward token buffers;
-            :class:`lrmoe.planner.Plan`), the same on every rank; None before a call.
+            :class:`lrmoe.planner.plan.Plan`), the same on every rank; None before a call.
     """
 
     policy: str = ""
@@ -131,7 +131,8 @@ class ReplicaState:
     def set_placement(self, placement: Placement, config: LRMoEConfig) -> None:
         """Replace the settings (e.g. measured resident bytes); every rank must do the
         same (the per-call config check hashes them)."""
-        from lrmoe.planner import MemoryModel, ModelShape
+        from lrmoe.planner.plan import MemoryModel
+        from lrmoe.workload.shapes import ModelShape
 
         self.placement = placement
         shape = ModelShape("layer", config.hidden_size, config.moe_intermediate_size,
@@ -141,13 +142,13 @@ class ReplicaState:
 
     # ------------------------------------------------------------------ the plan
     def plan(self, counts_host: List[List[int]], config: LRMoEConfig):
-        """The :class:`lrmoe.planner.Plan` of these counts (pure host C++, identical on
+        """The :class:`lrmoe.planner.plan.Plan` of these counts (pure host C++, identical on
         every rank).
 
         Raises:
-            ValueError: from :func:`lrmoe.planner.plan` (e.g. E not a multiple of W).
+            ValueError: from :func:`lrmoe.planner.plan.plan` (e.g. E not a multiple of W).
         """
-        from lrmoe.planner import plan as make_plan
+        from lrmoe.planner.plan import plan as make_plan
 
         p = self.placement
         c = config.recalibration_rate if config.selective_backward else 0.0
@@ -236,7 +237,7 @@ class ReplicaState:
         if use_pushed:
             got_F = self._pushed.weights_F.to(w_gate_up_L2IH.dtype)
         else:
-            with phase("lrmoe.replica_fetch"):
+            with phase("replica_fetch"):
                 got_F, sent = exchange_weights(w_gate_up_L2IH, w_down_LHI, routes, group)
             self.stats.bytes["weights_fetched"] = sent
             self.stats.splits["replica_fetch"] = (list(routes.send_splits),
@@ -266,7 +267,7 @@ class ReplicaState:
         el = num_local_experts
         flat_L = _flatten(grad_gate_up_L2IH, grad_down_LHI)
         dev = flat_L.device
-        with phase("lrmoe.replica_grads"):
+        with phase("replica_grads"):
             send = flat_L.index_select(0, h2d(routes.remote_local, torch.long, dev))
             got = all_to_all_rows(send, len(routes.send_local), routes.recv_splits,
                             routes.send_splits, group)
@@ -306,7 +307,7 @@ class ReplicaState:
                                 plan.forward_IW)
         routes = weight_routes(layout, rank, el, world)
         gu, d = self.experts.gate_up_proj.detach(), self.experts.down_proj.detach()
-        with torch.no_grad(), phase("lrmoe.replica_push"):
+        with torch.no_grad(), phase("replica_push"):
             got_F, sent = exchange_weights(gu, d, routes, group)
         self._pushed = _PushedCopies(_layout_key(layout), list(self.popularity_E),
                                      _versions(self.experts), got_F)

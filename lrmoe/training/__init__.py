@@ -12,5 +12,5 @@ torchtitan's ``trainer.py`` + ``components/``):
 * :mod:`~lrmoe.training.distributed` -- torchrun / EP join, rank-0 printing, stop agreement;
 * :mod:`~lrmoe.training.trainer` -- the :class:`~lrmoe.training.trainer.Trainer`.
 
-``lrmoe.train`` is the entry point (:func:`lrmoe.train.train`).
+``lrmoe.training.train`` is the entry point (:func:`lrmoe.training.train.train`).
 """

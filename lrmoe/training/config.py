@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping
 
-# re-exported: the names users and lrmoe.train import from here
+# re-exported: the names users and lrmoe.training.train import from here
 from lrmoe.training.keys import (FLAT_KEYS, config_keys, flatten, resolve_key,  # noqa: F401
                                  section_from_mapping, set_key)
 from lrmoe.training.sections import (SECTION_TYPES, SECTIONS, DataConfig,  # noqa: F401
@@ -71,7 +71,7 @@ class TrainConfig:
             if self.parallel.policy is not None:
                 # the planner's own bound, here before the model is built rather than at
                 # the first layer's plan
-                from lrmoe.planner import check_slots
+                from lrmoe.planner.plan import check_slots
                 try:
                     check_slots(self.parallel.replica_slots, 0, m.num_experts)
                 except ValueError as err:

@@ -98,7 +98,7 @@ def diagnostics_means(model: nn.Module) -> Dict[str, Optional[float]]:
     """The LRMoE diagnostics of the last step (:data:`DIAGNOSTIC_KEYS`) over the MoE
     layers: ``lrmoe.integrations.transformers.summarize_diagnostics`` (the dropped
     fraction pooled over the layers' pairs -- its one definition,
-    ``lrmoe.experts.dropped_fraction`` --, the other keys means over the layers); with
+    ``lrmoe.moe.stats.dropped_fraction`` --, the other keys means over the layers); with
     offload also the summed bytes of :func:`offload_bytes`."""
     from lrmoe.integrations.transformers import collect_diagnostics, summarize_diagnostics
 
@@ -111,7 +111,7 @@ def diagnostics_means(model: nn.Module) -> Dict[str, Optional[float]]:
 
 def offload_bytes(diagnostics: Mapping[str, Mapping[str, Any]]) -> Dict[str, int]:
     """``offload_d2h_bytes`` and ``offload_h2d_bytes`` of the last micro-step, summed over
-    the MoE layers (``lrmoe.offload.OffloadStats``); empty without offload."""
+    the MoE layers (``lrmoe.moe.offload.OffloadStats``); empty without offload."""
     out: Dict[str, int] = {}
     for key in ("offload_d2h_bytes", "offload_h2d_bytes"):
         values = [int(d[key]) for d in diagnostics.values() if d.get(key) is not None]

@@ -21,7 +21,7 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from lrmoe.clock import DeviceClock
+from lrmoe.utils.clock import DeviceClock
 
 
 class MoELayerTimer:

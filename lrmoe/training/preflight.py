@@ -10,7 +10,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from lrmoe.paths import check_output
+from lrmoe.utils.paths import check_output
 from lrmoe.training import checkpoint as ckpt_io
 from lrmoe.training.compose import check_resume_compatible
 from lrmoe.training.config import TrainConfig, check_ep_divides

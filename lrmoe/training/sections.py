@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-from lrmoe.offload import OFFLOAD_MODES
+from lrmoe.moe.offload import OFFLOAD_MODES
 from lrmoe.ops import METRICS, QUOTA_RULES, SELECTIONS, rate_fraction
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -225,14 +225,14 @@ class LRMoESettings:
         metric: ``lrm``, ``grad_sq``, ``grad_abs`` or ``random``.
         quota_rule: ``proportional`` or ``water_level``.
         selection: ``importance`` (default; unbiased) or ``topk`` (the paper's); see
-            :class:`lrmoe.config.LRMoEConfig`.
+            :class:`lrmoe.moe.config.LRMoEConfig`.
         retained_mass_target: 0 (off) or rho* in (0, 1]: the adaptive rate -- each layer
             and step drops the largest share of pairs, at most ``recalibration_rate``
             (then the cap), whose retained score mass stays >= rho*
             (``LRMoEConfig.retained_mass_target``; one device only).
         offload: ``none`` or ``activations``: the expert forward's saved rows wait for the
             backward in pinned host memory, only the kept rows come back
-            (``LRMoEConfig.offload``, lrmoe/offload.py).
+            (``LRMoEConfig.offload``, lrmoe/moe/offload.py).
     """
 
     recalibration_rate: float = 0.0
@@ -345,7 +345,7 @@ class RunConfig:
         progress: ``auto`` (a bar on a terminal, else a line every ~2 % of the run),
             ``bar``, ``lines`` (a line every ``log_every`` steps) or ``none``.
         record_trace: write the routed expert ids of every MoE layer to this ``.npz``
-            (:class:`lrmoe.trace.RoutingTrace`); None records nothing.
+            (:class:`lrmoe.workload.trace.RoutingTrace`); None records nothing.
         trace_every: record one optimizer step in this many.
         tensorboard: also write the metrics as TensorBoard scalars to
             ``out_dir/tensorboard/`` (needs the ``tensorboard`` package).

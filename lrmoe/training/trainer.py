@@ -74,7 +74,7 @@ class TrainResult:
 
 
 class Trainer:
-    """One training run; see :func:`lrmoe.train.train`.
+    """One training run; see :func:`lrmoe.training.train.train`.
 
     Args:
         cfg: the run's config.
@@ -161,7 +161,7 @@ class Trainer:
             ckpt_io.load_ep_weights(self.model, self.resume_from)
         self.trace = None
         if cfg.run.record_trace:
-            from lrmoe.trace import RoutingTrace
+            from lrmoe.workload.trace import RoutingTrace
             hf = self.model.config
             self.trace = RoutingTrace(hf.num_experts, hf.num_experts_per_tok,
                                       cfg.run.trace_every)

@@ -5,12 +5,22 @@ docs/algorithm.md -- never from the code under test.
 """
 from __future__ import annotations
 
+import sys
 from fractions import Fraction
+from pathlib import Path
 from typing import List, Optional
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+# The test folders mirror lrmoe/'s packages. A few helpers are shared across them by
+# module name -- the spawn harness of parallel/test_expert_parallel.py, the micro run of
+# training/test_train.py, the layer references of moe/test_layer.py -- so every folder is
+# importable from every test (and from the ranks mp.spawn starts, which inherit sys.path).
+for _folder in sorted(Path(__file__).resolve().parent.iterdir()):
+    if _folder.is_dir() and not _folder.name.startswith(("_", ".")):
+        sys.path.insert(0, str(_folder))
 
 
 def pytest_collection_modifyitems(config, items):

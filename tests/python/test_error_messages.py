@@ -49,7 +49,7 @@ def _usage_error(argv, capsys, match):
 
 
 def test_check_output_refuses_unwritable_paths_and_writes_nothing(tmp_path):
-    from lrmoe.paths import check_output
+    from lrmoe.utils.paths import check_output
 
     a_file = tmp_path / "f"
     a_file.write_text("x")
@@ -150,7 +150,7 @@ def test_bench_layer_checks_device_and_trace_before_timing(tmp_path, capsys):
     --trace failed after the routings before it had been timed."""
     import torch
 
-    from lrmoe.trace import RoutingTrace
+    from lrmoe.workload.trace import RoutingTrace
 
     out = ["--out", str(tmp_path / "o")]
     for device in ("banana", "gpu", "cuda0"):

@@ -1,0 +1,233 @@
+"""Placement planning: which ranks hold each expert, where every routed pair runs, how
+many pairs keep their backward, and what it costs in memory (docs/planner.md).
+
+The planner itself is plain C++ (``csrc/planner``), reached through the ``lrmoe.plan``
+op; this module is its Python face: the model shapes and byte sizes, routed loads
+(synthetic or from a routing trace), and :func:`plan`, which returns a frozen
+:class:`Plan` built from the op's arrays. Every rank computes the same plan from the
+same all-gathered counts.
+
+Legend: W ranks of the expert-parallel group (= source ranks), E experts, K top_k,
+I expert instances (owner copies + replicas; not the intermediate size), H hidden size,
+``load_WE`` routed pairs from source s to expert e, ``forward_IW`` / ``retained_IW``
+rows of the (instance, source) cells, ``memory_W4`` bytes per rank (base experts,
+replicas, forward tokens, backward tokens).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import List, Optional
+
+import numpy as np
+import torch
+
+from lrmoe import _C  # noqa: F401  (registers the ops)
+from lrmoe.ops import QUOTA_RULES
+from lrmoe.workload.shapes import ModelShape
+
+POLICIES = ("fixed", "ultraep", "symi", "lrmoe")
+BINDINGS = ("none", "memory", "backward_row_capacity", "replica_slots")
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryModel:
+    """Bytes of one expert copy and of one token row on a rank (docs/planner.md,
+    "Memory model"); all plain bytes.
+
+    Attributes:
+        expert_weight_bytes: one copy's weights (bf16: 3 H I x 2).
+        expert_grad_bytes: one copy's fp32 gradient buffer (3 H I x 4).
+        expert_optimizer_bytes: fp32 master weights + Adam m, v (3 H I x 12).
+        optimizer_on_device: False when the optimizer state lives on the host.
+        forward_row_bytes: per routed row computed on a rank: dispatched x (2H), saved
+            gate/up activations (2 x 2I), expert output (2H), in bf16.
+        backward_row_bytes: per retained row: gradient row (2H), gathered x (2H),
+            gathered gate/up (4I), phi (2I), grad phi (2I), grad gate/up (4I), dx (2H).
+        budget_bytes: B, device memory per GPU.
+        resident_bytes: what lives outside this layer's experts and token buffers
+            (parameters, optimizer state, attention activations), measured or configured.
+    """
+
+    expert_weight_bytes: int
+    expert_grad_bytes: int
+    expert_optimizer_bytes: int
+    forward_row_bytes: int
+    backward_row_bytes: int
+    budget_bytes: int
+    resident_bytes: int
+    optimizer_on_device: bool = True
+
+    @classmethod
+    def from_shape(cls, shape: ModelShape, budget_bytes: int, resident_bytes: int,
+                   optimizer_on_device: bool = True) -> "MemoryModel":
+        """The byte sizes of ``shape`` (formulas in the attribute docs above)."""
+        h, i = shape.hidden_size, shape.moe_intermediate_size
+        params = 3 * h * i
+        return cls(expert_weight_bytes=2 * params, expert_grad_bytes=4 * params,
+                   expert_optimizer_bytes=12 * params,
+                   forward_row_bytes=2 * h + 2 * 2 * i + 2 * h,
+                   backward_row_bytes=2 * h + 2 * h + 4 * i + 2 * i + 2 * i + 4 * i + 2 * h,
+                   budget_bytes=budget_bytes, resident_bytes=resident_bytes,
+                   optimizer_on_device=optimizer_on_device)
+
+    def as_list(self) -> List[int]:
+        return [self.expert_weight_bytes, self.expert_grad_bytes, self.expert_optimizer_bytes,
+                self.forward_row_bytes, self.backward_row_bytes, self.budget_bytes,
+                self.resident_bytes]
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GiB"``, ``"512MiB"``, ``"1.5e9"`` -> bytes (int).
+
+    Raises:
+        ValueError: not a number with an optional B/KiB/MiB/GiB/TiB (or KB/MB/GB/TB) unit.
+    """
+    m = re.fullmatch(r"\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[0-9]+)?)\s*([KMGT]i?B|B)?\s*",
+                     str(text), re.I)
+    if not m:
+        raise ValueError(f"cannot read {text!r} as a size; write e.g. 80GiB, 512MiB or 1e9")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1}
+    for k, p in zip("KMGT", range(1, 5)):
+        scale[f"{k}IB"] = 1024 ** p
+        scale[f"{k}B"] = 1000 ** p
+    return int(float(m.group(1)) * scale[unit])
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One layer's plan for one micro-batch (docs/planner.md, "The plan").
+
+    Attributes:
+        policy: the policy that made it.
+        instance_offsets: (E + 1,) int64; instances of expert e are
+            ``[instance_offsets[e], instance_offsets[e + 1])``, the owner first.
+        instance_rank: (I,) int64 rank of each instance (one per rank per expert at most).
+        forward_IW: (I, W) int64 forward rows of (instance, source); summed over an
+            expert's instances it is ``load_WE[:, e]``: every routed pair runs once.
+        retained_IW: (I, W) int64 retained rows (backward shares), ``<= forward_IW``;
+            an expert's cells sum to ``quota_E[e]``.
+        quota_E: (E,) int64 retention quotas (the baselines keep every pair).
+        fixed_rows_W: (W,) rows per rank under fixed ownership (-1 where E % W != 0).
+        forward_rows_W, backward_rows_W: (W,) rows each rank computes forward / backward.
+        memory_W4: (W, 4) int64 bytes: base experts, replicas, forward tokens, backward tokens.
+        limit_bytes: budget - resident, every rank's limit.
+        replicas: instances beyond the owners.
+        feasible: every rank within its limit (and row capacity).
+        binding: which constraint binds (one of :data:`BINDINGS`).
+        binding_rank: the rank furthest over (-1 when feasible).
+        shortfall: bytes (memory) or rows (row capacity) over the limit.
+        reason: why it does not fit, naming the constraint and by how much ('' if it fits).
+    """
+
+    policy: str
+    instance_offsets: torch.Tensor
+    instance_rank: torch.Tensor
+    forward_IW: torch.Tensor
+    retained_IW: torch.Tensor
+    quota_E: torch.Tensor
+    fixed_rows_W: torch.Tensor
+    forward_rows_W: torch.Tensor
+    backward_rows_W: torch.Tensor
+    memory_W4: torch.Tensor
+    limit_bytes: int
+    replicas: int
+    feasible: bool
+    binding: str
+    binding_rank: int
+    shortfall: int
+    reason: str
+
+    def instances(self, expert: int) -> List[int]:
+        """Ranks holding ``expert``, owner first."""
+        a, b = self.instance_offsets[expert].item(), self.instance_offsets[expert + 1].item()
+        return self.instance_rank[a:b].tolist()
+
+    def peak_bytes(self) -> int:
+        """The largest per-rank total of the four memory parts."""
+        return int(self.memory_W4.sum(dim=1).max().item())
+
+
+#: ``lrmoe``'s balance target by default: at most the mean retained rows per rank, met
+#: with replicas only (it never cuts demand: c alone decides what the backward drops).
+#: Simulated on the H200 costs it is what makes lrmoe the fastest policy from EP8 to
+#: EP128 at the same kept pairs (experiments/sim_balance.py, docs/simulation.md "The
+#: balance target"); None turns it off (memory and row capacity only).
+DEFAULT_BALANCE_SLACK: Optional[float] = 0.0
+
+
+def check_slots(replica_slots: int, symi_slots: int, num_experts: int) -> None:
+    """Refuse slot counts outside [0, E] before they reach the C++ planner, which holds
+    them as int32 (a larger one would wrap around or not convert at all); no policy can use
+    more than E slots, since a rank holds at most one instance of each expert.
+
+    Raises:
+        ValueError: naming ``replica_slots`` or ``symi_slots`` (and the CLI flag).
+    """
+    for name, value in (("replica_slots", replica_slots), ("symi_slots", symi_slots)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+                or not 0 <= value <= num_experts:
+            raise ValueError(f"{name} must be an int in [0, E={num_experts}] (a rank holds "
+                             f"at most one instance of each expert; --{name.replace('_', '-')}"
+                             f"), got {value!r}")
+
+
+def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 0.0,
+         quota_rule: str = "proportional", replica_slots: int = 2, symi_slots: int = 0,
+         previous_load_E=None, max_expert_cut: float = 0.5, backward_row_capacity: int = 0,
+         min_replica_rows: int = 1,
+         balance_slack: Optional[float] = DEFAULT_BALANCE_SLACK) -> Plan:
+    """Plan one layer's placement with ``policy`` (csrc/planner; docs/planner.md).
+
+    Args:
+        load_WE: (W, E) non-negative ints (tensor, array or nested lists): routed pairs
+            from source rank s to expert e, as all-gathered after the counts exchange.
+        policy: one of :data:`POLICIES`.
+        memory: byte sizes and budget (:class:`MemoryModel`).
+        recalibration_rate: c in [0, 1); only ``lrmoe`` cuts demand (the baselines are
+            exact in the backward).
+        quota_rule: ``proportional`` or ``water_level`` (docs/algorithm.md).
+        replica_slots: R spare expert slots per rank (ultraep, symi, lrmoe's most replicas
+            per rank); ultraep needs R >= 1.
+        symi_slots: S slots per GPU for symi (0: ceil(E / W) + R).
+        previous_load_E: (E,) the previous step's popularity for symi (None: this step's).
+        max_expert_cut: lrmoe keeps at least floor((1 - this) n_e) of an expert's pairs.
+        backward_row_capacity: most retained rows per rank (0: memory only).
+        min_replica_rows: ultraep's u_min, the fewest rows a replica carries.
+        balance_slack: lrmoe also aims at most (1 + this) x the mean retained rows per
+            rank, with replicas (the target never cuts demand); a target, never a reason
+            to be infeasible. Default :data:`DEFAULT_BALANCE_SLACK` (0); None: memory
+            (and row capacity) only.
+
+    Returns:
+        A :class:`Plan`; ``plan.feasible`` is False (with ``plan.reason``) when it cannot fit.
+
+    Raises:
+        ValueError: bad input, naming the argument (negative loads, E not a multiple of W
+            where the policy needs fixed ownership, budget below resident, zero slots...).
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+    if quota_rule not in QUOTA_RULES:
+        raise ValueError(f"quota_rule must be one of {', '.join(QUOTA_RULES)}; got {quota_rule!r}")
+    if balance_slack is not None and not balance_slack >= 0:
+        raise ValueError(f"balance_slack must be >= 0 (or None: off), got {balance_slack}")
+    load = torch.as_tensor(np.asarray(load_WE), dtype=torch.int64)
+    if load.dim() != 2:
+        raise ValueError(f"load_WE must be 2-D (W ranks, E experts), got shape {tuple(load.shape)}")
+    check_slots(replica_slots, symi_slots, load.shape[1])
+    prev = None if previous_load_E is None else torch.as_tensor(np.asarray(previous_load_E),
+                                                                dtype=torch.int64)
+    (offsets, ranks, fwd, kept, quota, rows, mem, status, reason) = torch.ops.lrmoe.plan(
+        load, policy, memory.as_list(), memory.optimizer_on_device, float(recalibration_rate),
+        quota_rule, int(replica_slots), int(symi_slots), prev, float(max_expert_cut),
+        int(backward_row_capacity), int(min_replica_rows),
+        -1.0 if balance_slack is None else float(balance_slack))
+    s = status.tolist()
+    return Plan(policy=policy, instance_offsets=offsets, instance_rank=ranks, forward_IW=fwd,
+                retained_IW=kept, quota_E=quota, fixed_rows_W=rows[0], forward_rows_W=rows[1],
+                backward_rows_W=rows[2], memory_W4=mem, limit_bytes=s[4], replicas=s[5],
+                feasible=bool(s[0]), binding=BINDINGS[s[1]], binding_rank=s[2], shortfall=s[3],
+                reason=reason)

@@ -1,0 +1,252 @@
+"""``lrmoe plan``: plan one layer with each placement policy and report loads, replicas,
+quotas, memory per rank and feasibility (text table, ``--json``, PNG figures).
+
+The planning is :func:`lrmoe.planner.plan.plan`; this module reads the command's arguments,
+builds the routed loads (synthetic or from a routing trace) and lays out the results.
+docs/planner.md shows the output and explains each column.
+
+Legend: W ranks, E experts, ``load_WE`` routed pairs per (source, expert).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import numpy as np
+
+from lrmoe.moe.stats import max_over_mean
+from lrmoe.planner import plan as P
+from lrmoe.workload.loads import synthetic_loads, trace_loads
+from lrmoe.workload.shapes import SHAPES, ModelShape
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``lrmoe plan`` (defaults: the paper's EP8 setting)."""
+    from lrmoe.ops import QUOTA_RULES
+
+    src = p.add_argument_group("routed loads")
+    src.add_argument("--loads", choices=("uniform", "zipf", "trace"), default="zipf",
+                     help="synthetic uniform or Zipf loads, or a routing trace (--trace)")
+    src.add_argument("--max-over-mean", type=float, default=4.0, metavar="X",
+                     help="Zipf skew: the hottest expert's load over the mean expert load")
+    src.add_argument("--trace", metavar="PATH",
+                     help="routing trace .npz from `lrmoe train --record-trace` (--loads trace)")
+    src.add_argument("--record", type=int, metavar="N",
+                     help="plan one (step, layer) record of the trace instead of resampling")
+    src.add_argument("--tokens-per-rank", type=int, default=4 * 8192, metavar="T",
+                     help="tokens per source rank (the paper: micro-batch 4 x 8192); each "
+                          "routes top_k pairs")
+    src.add_argument("--seed", type=int, default=0, help="seed of the synthetic draw/resampling")
+    m = p.add_argument_group("cluster and model")
+    m.add_argument("--ep", type=int, default=8, metavar="W", help="expert-parallel size")
+    m.add_argument("--model", choices=sorted(SHAPES), default="qwen3-30b-a3b",
+                   help="model shape for expert and token-row bytes")
+    m.add_argument("--budget", default="80GiB", help="device memory per GPU")
+    m.add_argument("--resident", default="64GiB",
+                   help="bytes outside this layer's experts and token buffers")
+    m.add_argument("--optimizer", choices=("device", "host"), default="device",
+                   help="where the experts' optimizer state lives")
+    pol = p.add_argument_group("policy")
+    pol.add_argument("--policy", choices=P.POLICIES + ("all",), default="all")
+    pol.add_argument("-c", "--recalibration-rate", type=float, default=0.3, metavar="C",
+                     help="c for the lrmoe policy (the baselines keep every pair)")
+    pol.add_argument("--quota-rule", choices=QUOTA_RULES, default="proportional")
+    pol.add_argument("--replica-slots", type=int, default=2, metavar="R",
+                     help="spare expert slots per rank (ultraep, symi; lrmoe's most replicas "
+                          "per rank)")
+    pol.add_argument("--symi-slots", type=int, default=0, metavar="S",
+                     help="symi slots per GPU (0: ceil(E/W) + R)")
+    pol.add_argument("--max-expert-cut", type=float, default=0.5,
+                     help="lrmoe: most of one expert's demand it may cut under the budget")
+    pol.add_argument("--row-capacity", type=int, default=0, metavar="ROWS",
+                     help="most retained rows per rank (0: memory only)")
+    pol.add_argument("--balance", type=float, default=P.DEFAULT_BALANCE_SLACK,
+                     metavar="SLACK",
+                     help="lrmoe: aim at most (1 + SLACK) x the mean retained rows per rank, "
+                          "with replicas (default %(default)s; a negative value: memory "
+                          "only)")
+    pol.add_argument("--min-replica-rows", type=int, default=1, metavar="U",
+                     help="ultraep u_min: the fewest rows a replica carries")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    out.add_argument("--png", metavar="PREFIX",
+                     help="write PREFIX_memory.png (stacked memory per policy) and "
+                          "PREFIX_loads.png (per-rank loads)")
+
+
+def _loads(args: argparse.Namespace, shape: ModelShape):
+    """(load_WE, previous_load_E, source description)."""
+    W = args.ep
+    if args.tokens_per_rank < 1:
+        raise ValueError(f"--tokens-per-rank must be >= 1, got {args.tokens_per_rank}")
+    if W < 1:
+        raise ValueError(f"--ep must be >= 1, got {W}")
+    if args.loads == "trace":
+        if not args.trace:
+            raise ValueError("--loads trace needs --trace PATH (record one with `lrmoe train "
+                             "--record-trace PATH`)")
+        load, meta = trace_loads(args.trace, W, args.tokens_per_rank, args.record, args.seed)
+        if meta["num_experts"] != shape.num_experts:
+            raise ValueError(f"trace {args.trace} has E={meta['num_experts']} experts but "
+                             f"--model {shape.name} has E={shape.num_experts}")
+        prev, _ = trace_loads(args.trace, W, args.tokens_per_rank,
+                                None if args.record is None else args.record - 1, args.seed + 1)
+        what = f"trace {args.trace}" + (f" record {args.record}" if args.record is not None
+                                        else f" resampled to {args.tokens_per_rank} tokens/rank")
+        return load, prev.sum(axis=0), what
+    pairs = args.tokens_per_rank * shape.top_k
+    skew = 1.0 if args.loads == "uniform" else args.max_over_mean
+    load = synthetic_loads(W, shape.num_experts, pairs, skew, seed=args.seed)
+    # symi plans from the previous step: the same popularity, another draw
+    prev = synthetic_loads(W, shape.num_experts, pairs, skew, seed=args.seed + 1,
+                             popularity_seed=args.seed)
+    what = "uniform" if skew == 1.0 else f"Zipf max/mean {skew:g}"
+    return load, prev.sum(axis=0), f"{what}, {pairs} pairs/rank"
+
+
+def _summary(plan: P.Plan, load_WE: np.ndarray) -> Dict[str, Any]:
+    n_E = load_WE.sum(axis=0)
+    q = plan.quota_E.numpy()
+    mem = plan.memory_W4.numpy()
+    worst = int(mem.sum(axis=1).argmax())
+    cut = np.where(n_E > 0, 1.0 - q / np.maximum(n_E, 1), 0.0)
+    return {
+        "policy": plan.policy,
+        "feasible": plan.feasible,
+        "reason": plan.reason,
+        "binding": plan.binding,
+        "binding_rank": plan.binding_rank,
+        "shortfall": plan.shortfall,
+        "replicas": plan.replicas,
+        "load_before_max_over_mean": max_over_mean(plan.fixed_rows_W.tolist()),
+        "forward_max_over_mean": max_over_mean(plan.forward_rows_W.tolist()),
+        "backward_max_over_mean": max_over_mean(plan.backward_rows_W.tolist()),
+        "rows_before": plan.fixed_rows_W.tolist(),
+        "forward_rows": plan.forward_rows_W.tolist(),
+        "backward_rows": plan.backward_rows_W.tolist(),
+        "retained_fraction": float(q.sum() / max(1, n_E.sum())),
+        "max_expert_cut": float(cut.max()),
+        "quota": q.tolist(),
+        "limit_bytes": plan.limit_bytes,
+        "peak_rank": worst,
+        "memory_bytes_per_rank": {k: mem[:, j].tolist() for j, k in enumerate(
+            ("base_experts", "replicas", "forward_tokens", "backward_tokens"))},
+        "peak_memory_bytes": {k: int(mem[worst, j]) for j, k in enumerate(
+            ("base_experts", "replicas", "forward_tokens", "backward_tokens"))},
+    }
+
+
+def _table(rows: List[Dict[str, Any]], header: str) -> str:
+    g = lambda b: f"{b / P.GiB:6.2f}"  # noqa: E731
+    ratio = lambda v: "     -" if v is None else f"{v:6.2f}"  # noqa: E731  (None: no rows)
+    lines = [header, "",
+             f"{'policy':8} {'fits':4} {'rep':>4} {'before':>6} {'fwd':>6} {'bwd':>6} "
+             f"{'kept':>5} {'cut':>5} | peak rank GiB: {'base':>6} {'repl':>6} {'fwd tok':>7} "
+             f"{'bwd tok':>7} {'total':>6} / limit",
+             "-" * 110]
+    for r in rows:
+        m = r["peak_memory_bytes"]
+        lines.append(
+            f"{r['policy']:8} {'yes' if r['feasible'] else 'NO':4} {r['replicas']:4d} "
+            f"{ratio(r['load_before_max_over_mean'])} {ratio(r['forward_max_over_mean'])} "
+            f"{ratio(r['backward_max_over_mean'])} {r['retained_fraction']:5.2f} "
+            f"{r['max_expert_cut']:5.2f} | rank {r['peak_rank']:3d}      {g(m['base_experts'])} "
+            f"{g(m['replicas'])} {g(m['forward_tokens']):>7} {g(m['backward_tokens']):>7} "
+            f"{g(sum(m.values()))} / {r['limit_bytes'] / P.GiB:.2f}")
+    lines += ["", "before/fwd/bwd: max/mean rows per rank under fixed ownership, in this plan's "
+              "forward and backward; kept: sum(Q)/sum(n); cut: the largest 1 - Q_e/n_e", "",
+              "memory per rank, GiB (base + replicas + forward + backward tokens), and quotas:"]
+    for r in rows:
+        per_rank = np.sum([r["memory_bytes_per_rank"][k] for k in r["memory_bytes_per_rank"]],
+                          axis=0) / P.GiB
+        q = np.asarray(r["quota"])
+        lines.append(f"{r['policy']:8} " + " ".join(f"{v:.2f}" for v in per_rank)
+                     + f" | Q_e min {q.min()} median {int(np.median(q))} max {q.max()}")
+    for r in rows:
+        if not r["feasible"]:
+            lines.append(f"{r['policy']}: infeasible: {r['reason']}")
+    return "\n".join(lines)
+
+
+def _figures(rows: List[Dict[str, Any]], prefix: str) -> List[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = ("base_experts", "replicas", "forward_tokens", "backward_tokens")
+    labels = ("base experts", "replicas", "forward token buffers", "backward token buffers")
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    x = np.arange(len(rows))
+    bottom = np.zeros(len(rows))
+    for part, label in zip(parts, labels):
+        v = np.array([r["peak_memory_bytes"][part] for r in rows]) / P.GiB
+        ax.bar(x, v, bottom=bottom, label=label)
+        bottom += v
+    for i, total in enumerate(bottom):
+        ax.text(i, total, f"{total:.2f}", ha="center", va="bottom")
+    ax.axhline(rows[0]["limit_bytes"] / P.GiB, color="k", ls="--", lw=1, label="budget - resident")
+    ax.set_xticks(x, [r["policy"] for r in rows])
+    ax.set_ylabel("GiB on the peak rank (one MoE layer)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    mem_png = Path(f"{prefix}_memory.png")
+    mem_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(mem_png, dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 3.2), sharey=True,
+                             squeeze=False)
+    for ax, r in zip(axes[0], rows):
+        ranks = np.arange(len(r["forward_rows"]))
+        if r["rows_before"][0] >= 0:
+            ax.step(ranks, r["rows_before"], where="mid", color="grey", label="fixed ownership")
+        ax.bar(ranks - 0.2, r["forward_rows"], width=0.4, label="forward")
+        ax.bar(ranks + 0.2, r["backward_rows"], width=0.4, label="backward (retained)")
+        ax.set_title(r["policy"])
+        ax.set_xlabel("rank")
+    axes[0][0].set_ylabel("rows")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    load_png = Path(f"{prefix}_loads.png")
+    fig.savefig(load_png, dpi=120)
+    plt.close(fig)
+    return [mem_png, load_png]
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Run ``lrmoe plan`` from parsed arguments; prints the table (or JSON). Returns 0.
+
+    Raises:
+        ValueError: bad arguments or input (the message names the option).
+    """
+    shape = SHAPES[args.model]
+    memory = P.MemoryModel.from_shape(shape, P.parse_bytes(args.budget),
+                                      P.parse_bytes(args.resident), args.optimizer == "device")
+    load_WE, prev_E, what = _loads(args, shape)
+    policies = P.POLICIES if args.policy == "all" else (args.policy,)
+    rows = []
+    for name in policies:
+        plan = P.plan(load_WE, name, memory, args.recalibration_rate, args.quota_rule,
+                      args.replica_slots, args.symi_slots, prev_E, args.max_expert_cut,
+                      args.row_capacity, args.min_replica_rows,
+                      None if args.balance < 0 else args.balance)
+        rows.append(_summary(plan, load_WE))
+    header = (f"{shape.name} at W={args.ep}, {what}; budget {args.budget}, resident "
+              f"{args.resident}, c={args.recalibration_rate:g} (lrmoe), R={args.replica_slots}")
+    files = _figures(rows, args.png) if args.png else []
+    if args.json:
+        json.dump({"setting": header, "model": dataclasses.asdict(shape),
+                   "memory_model": dataclasses.asdict(memory), "plans": rows,
+                   "figures": [str(f) for f in files]}, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        print(_table(rows, header))
+        for f in files:
+            print(f"wrote {f}")
+    return 0
+

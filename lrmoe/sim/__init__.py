@@ -1,0 +1,1 @@
+"""The cluster simulator (csrc/sim): cost and link files, :func:`lrmoe.sim.simulate.simulate`, ``lrmoe sim`` and its validation against measured benchmarks. Imports the planner and the workloads only."""

@@ -1,0 +1,401 @@
+"""``lrmoe sim``: the cluster simulator's command line -- JSON and PNG figures laid out like
+the paper's Figs. 6, 7, 8 and Table 1, every one labelled "simulated" (docs/simulation.md).
+
+  * Fig. 7 (memory per MoE layer): base experts, replicas, token buffers per policy, the
+    largest rank of the worst layer;
+  * Fig. 8 (latency per MoE layer): forward and backward phases per policy, mean over
+    the simulated (step, layer) plans;
+  * Fig. 6 (batch pressure): the base batch multiplied 1x..32x; a plan that does not fit
+    takes more, smaller micro-batches; effective throughput per policy, and the
+    multiplier where a perfectly balanced uncompressed backward stops fitting;
+  * Table 1 (MoE-layer time to a loss): steps to each target loss from an experiments
+    ``results.json`` times the simulated MoE time per step;
+  * with ``--scale``: cost per token vs cluster size per policy.
+
+Policies: ``fixed`` (Megatron-LM fixed ownership), ``ultraep``, ``symi``, ``lrmoe``; the
+baselines run at c = 0, lrmoe at ``--rate``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+
+from lrmoe.sim import simulate as S
+from lrmoe.sim.costs import Costs
+from lrmoe.sim.links import Links
+from lrmoe.workload.loads import cluster_loads
+from lrmoe.utils.paths import check_output
+from lrmoe.workload.shapes import SHAPES
+from lrmoe.sim.validate import read_bench, validate
+from lrmoe.planner.plan import DEFAULT_BALANCE_SLACK, GiB, POLICIES
+
+LABELS = {"fixed": "Megatron-LM (fixed)", "ultraep": "UltraEP", "symi": "SYMI",
+          "lrmoe": "LRMoE"}
+SIMULATED = "simulated"
+#: the paper's reported numbers the figures are set beside (docs/simulation.md)
+PAPER = {"fig7_GiB": {"fixed": 12.88, "ultraep": 8.03, "symi": 12.88, "lrmoe": 5.44},
+         "fig8_bwd_ms": {"fixed": 29.64, "lrmoe": 12.69},
+         "fig6_at_20x": {"lrmoe": 1.0, "ultraep": 0.584, "symi": 0.449, "fixed": 0.400},
+         "fig6_balanced_boundary": 16}
+
+
+def add_sim_arguments(p) -> None:
+    """The options of ``lrmoe sim``."""
+    p.add_argument("--costs", required=True, metavar="FILE.json",
+                   help="cost file from `lrmoe calibrate` (configs/costs/h200.json)")
+    p.add_argument("--costs-shape", default=None,
+                   help="calibrated shape to take the costs from (default: --model)")
+    p.add_argument("--links", default=None, metavar="FILE.yaml",
+                   help="link costs (default: configs/links/default.yaml)")
+    p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(SHAPES))
+    p.add_argument("--gpus", type=int, default=8, help="GPUs in the EP group (nodes of 8)")
+    p.add_argument("--tokens-per-gpu", type=int, default=4 * 8192,
+                   help="tokens per GPU per micro-batch (the paper: 4 x 8192)")
+    p.add_argument("--steps", type=int, default=10, help="simulated steps")
+    p.add_argument("--layers", type=int, default=None, help="MoE layers (default: model's)")
+    p.add_argument("--trace", default=None, help="routing trace .npz (lrmoe train "
+                   "--record-trace); default synthetic Zipf skew")
+    p.add_argument("--skew", type=float, default=2.0,
+                   help="synthetic max/mean expert load per layer")
+    p.add_argument("--rate", type=float, default=0.3, help="lrmoe recalibration rate c")
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    p.add_argument("--budget-gib", type=float, default=80.0)
+    p.add_argument("--resident-gib", type=float, default=64.0)
+    p.add_argument("--replica-slots", type=int, default=2)
+    p.add_argument("--balance-slack", type=float, default=DEFAULT_BALANCE_SLACK,
+                   help="lrmoe: aim at most (1 + this) x the mean retained rows per rank, "
+                        "with replicas (default %(default)s, as the runtime; negative: off)")
+    p.add_argument("--offload", action="store_true", help="saved activations on the host")
+    p.add_argument("--pressure", nargs="*", type=float, default=[1, 2, 4, 8, 12, 16, 20, 24, 32],
+                   help="batch multipliers of Fig. 6 (none: skip)")
+    p.add_argument("--pressure-tokens-per-gpu", type=int, default=4096,
+                   help="base batch of Fig. 6 (docs/simulation.md says why 4096)")
+    p.add_argument("--pressure-steps", type=int, default=2)
+    p.add_argument("--results", default=None,
+                   help="experiments results.json for Table 1 (steps to loss)")
+    p.add_argument("--targets", nargs="*", type=float, default=[],
+                   help="target validation losses of Table 1")
+    p.add_argument("--scale", nargs="*", type=int, default=[],
+                   help="cluster sizes for cost per token vs W (e.g. 64 128 256 512 1024)")
+    p.add_argument("--validate", default=None, metavar="LAYER_BENCH.json",
+                   help="also compare the simulation with `lrmoe bench layer` results: "
+                        "layer_bench.json at W = 1 (fwd/bwd per shape, tokens and c; target "
+                        "within 10 %%) or layer_bench_ep.json at its W and policies (fwd, "
+                        "bwd and each all-to-all; target within 15 %%)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="sim-out", help="folder for sim.json and the PNGs")
+
+
+def _memory(shape, args, offload=False):
+    return S.memory_model(shape, int(args.budget_gib * GiB), int(args.resident_gib * GiB),
+                          offload=offload)
+
+
+def _run(args, shape, costs, links, policy, loads, multiplier=0.0, memory=None):
+    rate = args.rate if policy == "lrmoe" else 0.0
+    mem = memory or _memory(shape, args, args.offload)
+    res = S.simulate(loads, policy, mem, costs, links, shape.hidden_size, rate,
+                     replica_slots=args.replica_slots, threads=args.threads,
+                     balance_slack=None if args.balance_slack < 0 else args.balance_slack,
+                     offload=args.offload,
+                     offload_row_bytes=4 * shape.moe_intermediate_size if args.offload else 0,
+                     multiplier=multiplier)
+    return res
+
+
+def run_sim(args) -> dict:
+    """Run ``lrmoe sim`` from parsed arguments; writes ``sim.json`` and the figures.
+
+    Raises:
+        ValueError: bad sizes (naming the flag), an ``--out`` that cannot be written
+            (:func:`lrmoe.utils.paths.check_output`) or inputs the simulator refuses.
+        FileNotFoundError: a missing ``--trace``, ``--results`` or ``--validate`` file.
+    """
+    if args.gpus < 1 or args.steps < 1:
+        raise ValueError(f"--gpus and --steps must be >= 1, got {args.gpus}, {args.steps}")
+    if not 0 <= args.rate < 1:
+        raise ValueError(f"--rate is the recalibration rate c in [0, 1), got {args.rate}")
+    # the flags' names, not the simulator's parameter names, in the message
+    for flag, v, lo in (("--tokens-per-gpu", args.tokens_per_gpu, 1),
+                        ("--layers", args.layers, 1), ("--threads", args.threads, 1),
+                        ("--replica-slots", args.replica_slots, 0),
+                        ("--pressure-tokens-per-gpu", args.pressure_tokens_per_gpu, 1),
+                        ("--pressure-steps", args.pressure_steps, 1),
+                        ("--budget-gib", args.budget_gib, 0),
+                        ("--resident-gib", args.resident_gib, 0)):
+        if v is not None and not v >= lo:
+            raise ValueError(f"{flag} must be >= {lo}, got {v}")
+    if not args.skew >= 1:
+        raise ValueError(f"--skew is the max/mean expert load per layer, >= 1 (1: uniform), "
+                         f"got {args.skew}")
+    if any(not m > 0 for m in args.pressure):
+        raise ValueError(f"--pressure multipliers must be > 0, got {args.pressure}")
+    e = SHAPES[args.model].num_experts
+    for w in args.scale:  # W GPUs: W / ep copies of one EP group of ep = min(W, E) ranks
+        if w < 1 or e % min(w, e) or w % min(w, e):
+            raise ValueError(f"--scale {w}: a cluster size must divide E={e} or be a "
+                             f"multiple of it (e.g. --scale 64 128 256 512 1024)")
+    # inputs read only after the simulation, and the output, are checked before it
+    if args.validate is not None:
+        read_bench(args.validate, args.costs)  # its records and shapes, before the simulation
+    for flag, f in (("--trace", args.trace), ("--results", args.results)):
+        if f is not None and not Path(f).is_file():
+            raise FileNotFoundError(f"{flag} {f}: no such file")
+        if f is not None and flag != "--trace":
+            try:
+                json.loads(Path(f).read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise ValueError(f"{flag} {f}: not a JSON file ({err})") from None
+    check_output("--out", args.out, is_dir=True)
+    shape = SHAPES[args.model]
+    if args.gpus > shape.num_experts or shape.num_experts % args.gpus:
+        raise ValueError(f"--gpus {args.gpus} must divide E={shape.num_experts} (one EP "
+                         "group); for larger clusters (data-parallel copies of a group) "
+                         "use --scale 64 128 ... 1024")
+    layers = args.layers or shape.moe_layers
+    costs = Costs.from_file(args.costs, args.costs_shape or args.model)
+    links = Links.from_file(args.links, flag="--links")
+    t0 = time.time()
+    loads = cluster_loads(args.gpus, shape.num_experts, args.tokens_per_gpu, shape.top_k,
+                            args.steps, layers, args.skew, args.trace, args.seed)
+    out: dict = dict(label=SIMULATED, note="every number here is simulated by lrmoe sim "
+                     "(csrc/sim) from a cost model, not measured", paper=PAPER,
+                     setup=dict(model=args.model, gpus=args.gpus, steps=args.steps,
+                                layers=layers, tokens_per_gpu=args.tokens_per_gpu,
+                                trace=args.trace, skew=None if args.trace else args.skew,
+                                rate=args.rate, budget_gib=args.budget_gib,
+                                resident_gib=args.resident_gib, offload=args.offload,
+                                replica_slots=args.replica_slots,
+                                balance_slack=args.balance_slack),
+                     costs=dict(file=args.costs, shape=costs.shape, meta=costs.meta),
+                     links=dict(name=links.name, sources=links.sources), policies={})
+    for pol in args.policies:
+        res = _run(args, shape, costs, links, pol, loads)
+        summ = S.summarize(res, layers)
+        # a layer whose plan does not fit runs as more, smaller micro-batches (its time
+        # is k x one micro-batch's; 'none fits' stays NaN): the time Table 1 charges
+        summ["moe_ms_per_step_microbatched"] = summ["moe_ms_per_step"]
+        if summ["feasible"] < 1:
+            mb = _run(args, shape, costs, links, pol, loads, multiplier=1.0)
+            per_step = mb["time_ms"].reshape(-1, layers).sum(axis=1)
+            summ["moe_ms_per_step_microbatched"] = float(np.mean(per_step))
+            summ["max_micro_batches"] = int(mb["micro_batches"].max())
+        out["policies"][pol] = summ
+    out["seconds_layer_sim"] = time.time() - t0
+    if args.pressure:
+        out["pressure"] = pressure(args, shape, costs, links, layers)
+    if args.results and args.targets:
+        out["table1"] = table1(args.results, args.targets, args.rate, out["policies"])
+    if args.scale:
+        out["scale"] = scale(args, shape, costs, links, layers)
+    if args.validate:
+        out["validation"] = validate(args.validate, args.costs, links)
+    out["seconds"] = time.time() - t0
+    d = Path(args.out)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "sim.json").write_text(json.dumps(out, indent=1, default=_nan) + "\n")
+    plot_all(out, d)
+    return out
+
+
+def _nan(v):
+    return None if isinstance(v, float) and math.isnan(v) else v
+
+
+def pressure(args, shape, costs, links, layers) -> dict:
+    """Fig. 6: per multiplier and policy, micro-batches, time and effective throughput.
+
+    ``throughput``: tokens per ms at m x the base batch with the micro-batches it needs,
+    over the same policy's at 1x (0 when no count of micro-batches fits). ``one_pass``:
+    the largest multiplier <= m that fits in one pass, over m (the share of the batch
+    that can run at once)."""
+    few = min(layers, 4)
+    loads = cluster_loads(args.gpus, shape.num_experts, args.pressure_tokens_per_gpu,
+                            shape.top_k, args.pressure_steps, few, args.skew, args.trace,
+                            args.seed + 1)
+    mem = _memory(shape, args, args.offload)
+    out: dict = {"multipliers": list(args.pressure), "base_tokens_per_gpu":
+                 args.pressure_tokens_per_gpu, "policies": {}}
+    for pol in args.policies:
+        rows = []
+        for m in args.pressure:
+            r = _run(args, shape, costs, links, pol, loads, multiplier=m)
+            micro = r["micro_batches"]
+            ok = bool((micro > 0).all())
+            rows.append(dict(multiplier=m, fits=ok, micro_batches=int(micro.max()),
+                             retained_fraction=float(r["retained"].sum()
+                                                     / max(1.0, r["pairs"].sum())),
+                             time_ms=float(r["time_ms"].sum()) if ok else None,
+                             one_pass=bool((micro == 1).all()), reason=r["reason"]))
+        base = rows[0]["time_ms"] / rows[0]["multiplier"] if rows[0]["time_ms"] else None
+        best_one = 0.0
+        for row in rows:
+            m = row["multiplier"]
+            row["throughput"] = (base * m / row["time_ms"]) if (base and row["time_ms"]) else 0.0
+            if row["one_pass"]:
+                best_one = m
+            row["one_pass_share"] = min(1.0, best_one / m)
+        out["policies"][pol] = rows
+    out["balanced_uncompressed_stops_fitting_at"] = S.balanced_boundary(
+        shape, mem, args.gpus, args.pressure_tokens_per_gpu, args.pressure)
+    return out
+
+
+def steps_to_loss(results: str, target: float, rate: float) -> Optional[int]:
+    """First evaluation step with val_loss <= target of the results.json cell at ``rate``
+    with the default LRMoE settings (mean over seeds; None if a seed never reaches it)."""
+    cells = json.loads(Path(results).read_text())
+    if isinstance(cells, dict):
+        cells = cells.get("cells", [])
+    found = []
+    for c in cells:
+        lab = c.get("labels", {})
+        if abs(float(lab.get("rate", -1)) - rate) > 1e-9 or lab.get("metric", "lrm") != "lrm" \
+                or lab.get("selection", "none") not in ("none", "topk"):
+            continue
+        hit = [e["step"] for e in c.get("evals", []) if e["val_loss"] <= target]
+        found.append(hit[0] if hit else None)
+    if not found or any(f is None for f in found):
+        return None
+    return int(round(sum(found) / len(found)))
+
+
+def table1(results: str, targets: List[float], rate: float, pol: dict) -> List[dict]:
+    """Table 1: per target loss, steps (measured) and simulated MoE minutes per policy:
+    baselines take c = 0's steps, LRMoE the steps at ``rate``; a policy whose plans do not
+    all fit is charged its micro-batched time (``moe_ms_per_step_microbatched``)."""
+    rows = []
+    for t in targets:
+        s0, sc = steps_to_loss(results, t, 0.0), steps_to_loss(results, t, rate)
+        row = {"target_loss": t, "steps_c0": s0, "steps_rate": sc}
+        for p, v in pol.items():
+            steps = sc if p == "lrmoe" else s0
+            ms = v.get("moe_ms_per_step_microbatched", v["moe_ms_per_step"])
+            row[p] = None if steps is None or math.isnan(ms) else steps * ms / 60000.0
+        rows.append(row)
+    return rows
+
+
+def scale(args, shape, costs, links, layers) -> dict:
+    """Cost per token vs cluster size: W GPUs are W / ep data-parallel copies of one EP
+    group of ep = min(W, E) ranks; one representative group is simulated, so the cost per
+    token (GPU-ms per token of one MoE layer step) is its step time / tokens per GPU."""
+    out = {"gpus": list(args.scale), "policies": {p: [] for p in args.policies}}
+    steps = max(1, min(args.steps, 4))
+    few = min(layers, 4)
+    for w in args.scale:
+        ep = min(w, shape.num_experts)
+        loads = cluster_loads(ep, shape.num_experts, args.tokens_per_gpu, shape.top_k,
+                                steps, few, args.skew, args.trace, args.seed + 2)
+        for pol in args.policies:
+            s = S.summarize(_run(args, shape, costs, links, pol, loads), few)
+            ms = s["moe_ms_per_step"] / few
+            out["policies"][pol].append(dict(gpus=w, ep=ep, feasible=s["feasible"],
+                                             layer_ms=_nan(ms),
+                                             us_per_token=_nan(1e3 * ms / args.tokens_per_gpu),
+                                             reason=s["reason"]))
+    return out
+
+
+# ------------------------------------------------------------------------------ plots
+def plot_all(out: dict, d: Path) -> None:
+    """fig7_memory.png, fig8_latency.png, fig6_pressure.png, scale.png (where run)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    pols = list(out["policies"])
+    names = [LABELS[p] for p in pols]
+    tag = f" -- SIMULATED ({out['setup']['model']}, EP{out['setup']['gpus']})"
+    # Fig. 7
+    fig, ax = plt.subplots(figsize=(7, 4))
+    parts = [("memory_base_experts", "base experts"), ("memory_replicas", "replicas"),
+             ("memory_tokens", "token buffers")]
+    bottom = np.zeros(len(pols))
+    for key, lab in parts:
+        v = np.array([(out["policies"][p]["memory_forward_tokens"]
+                       + out["policies"][p]["memory_backward_tokens"]) if key == "memory_tokens"
+                      else out["policies"][p][key] for p in pols]) / GiB
+        ax.bar(names, v, bottom=bottom, label=lab)
+        bottom += v
+    for j, p in enumerate(pols):
+        if p in PAPER["fig7_GiB"]:
+            ax.plot(j, PAPER["fig7_GiB"][p], "k_", ms=30, mew=2)
+    ax.set_ylabel("GiB per rank, one MoE layer (black: paper)")
+    ax.set_title("Fig. 7 memory" + tag, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout(); fig.savefig(d / "fig7_memory.png", dpi=110); plt.close(fig)
+    # Fig. 8: per policy a forward and a backward stack, the paper's backward beside it
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    x = np.arange(len(pols))
+    for off, phases in ((-0.2, ["src_fwd_ms", "dispatch_ms", "expert_fwd_ms", "combine_ms",
+                                "replica_ms", "offload_ms"]),
+                        (0.2, ["src_bwd_ms", "grad_a2a_ms", "expert_bwd_ms", "dx_a2a_ms"])):
+        bottom = np.zeros(len(pols))
+        for ph in phases:
+            v = np.nan_to_num(np.array([out["policies"][p][ph] for p in pols]))
+            ax.bar(x + off, v, 0.38, bottom=bottom, label=ph[:-3] if v.any() else None)
+            bottom += v
+    for j, p in enumerate(pols):
+        if p in PAPER["fig8_bwd_ms"]:
+            ax.plot(j + 0.2, PAPER["fig8_bwd_ms"][p], "k_", ms=22, mew=2)
+    ax.set_xticks(x, [n + "\nfwd | bwd" for n in names], fontsize=8)
+    ax.set_ylabel("ms per MoE layer (black: paper backward)")
+    ax.set_title("Fig. 8 latency" + tag, fontsize=9)
+    ax.legend(fontsize=7, ncol=1, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout(); fig.savefig(d / "fig8_latency.png", dpi=110); plt.close(fig)
+    if "pressure" in out:
+        pr = out["pressure"]
+        fig, axs = plt.subplots(1, 2, figsize=(10, 4))
+        for p, rows in pr["policies"].items():
+            ms = [r["multiplier"] for r in rows]
+            axs[0].plot(ms, [r["throughput"] for r in rows], "o-", label=LABELS[p])
+            axs[1].plot(ms, [r["one_pass_share"] for r in rows], "o-", label=LABELS[p])
+        for ax, t in zip(axs, ("effective throughput (time model)",
+                               "share of the batch that fits in one pass")):
+            b = pr["balanced_uncompressed_stops_fitting_at"]
+            if b:
+                ax.axvline(b, color="k", ls="--", lw=1, label="balanced c=0 stops fitting")
+            ax.set_xlabel("batch multiplier"); ax.set_title(t + " -- SIMULATED", fontsize=9)
+            ax.legend(fontsize=7)
+        fig.tight_layout(); fig.savefig(d / "fig6_pressure.png", dpi=110); plt.close(fig)
+    if "scale" in out:
+        sc = out["scale"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for p, rows in sc["policies"].items():
+            ax.plot([r["gpus"] for r in rows],
+                    [np.nan if r["us_per_token"] is None else r["us_per_token"] for r in rows],
+                    "o-", label=LABELS[p])
+        ax.set_xscale("log", base=2); ax.set_xlabel("GPUs"); ax.legend(fontsize=8)
+        ax.set_ylabel("GPU-us per token per MoE layer")
+        ax.set_title("cost per token vs cluster size -- SIMULATED", fontsize=9)
+        fig.tight_layout(); fig.savefig(d / "scale.png", dpi=110); plt.close(fig)
+
+
+def print_summary(out: dict) -> None:
+    """One line per policy (and per Table 1 row) on stdout, marked simulated."""
+    print(f"lrmoe sim ({SIMULATED}): {out['setup']['model']} EP{out['setup']['gpus']}, "
+          f"{out['setup']['steps']} steps x {out['setup']['layers']} layers, costs from "
+          f"{out['costs']['meta'].get('device')} ({out['costs']['meta'].get('date')})")
+    for p, v in out["policies"].items():
+        print(f"  {LABELS[p]:>20}: fwd {v['fwd_ms']:.2f} bwd {v['bwd_ms']:.2f} ms/layer, "
+              f"memory {v['memory_peak'] / GiB:.2f} GiB, feasible {v['feasible']:.0%}"
+              + (f" ({v['reason'][:80]})" if v["feasible"] < 1 else ""))
+    for v in out.get("validation", []):
+        where = (f"EP{v['world']} {v['policy'] or 'no policy'} T={v['tokens_per_rank']}/rank"
+                 if "world" in v else f"T={v['tokens']}")
+        print(f"  validate {v['shape']} {where} {v['routing']} c={v['rate']}: fwd "
+              f"{v['sim_fwd_ms']:.2f} vs {v['bench_fwd_ms']:.2f} ({v['fwd_rel_err']:+.1%}), bwd "
+              f"{v['sim_bwd_ms']:.2f} vs {v['bench_bwd_ms']:.2f} ({v['bwd_rel_err']:+.1%})"
+              + "".join(f", {k} {v['sim_' + k + '_ms']:.2f} vs {v['bench_' + k + '_ms']:.2f}"
+                        for k in ("dispatch", "combine", "grad_a2a", "dx_a2a")
+                        if v.get("bench_" + k + "_ms") is not None))
+    for row in out.get("table1", []):
+        print("  table1 loss {target_loss}: ".format(**row) + ", ".join(
+            f"{LABELS[p]} {row[p]:.2f} min" if row.get(p) is not None else f"{LABELS[p]} -"
+            for p in out["policies"]))

@@ -1,0 +1,1 @@
+"""Small helpers shared by every package: output paths, device clocks, profiler phase names."""

@@ -1,0 +1,142 @@
+"""Routed loads for the planner and the simulator: synthetic (uniform or Zipf popularity)
+and replayed from routing traces (``lrmoe train --record-trace``).
+
+Legend: S steps, Lyr MoE layers, W source ranks, E experts, ``load_WE`` routed pairs from
+source s to expert e.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+import numpy as np
+
+from lrmoe.workload.trace import load_trace, trace_routing
+
+
+def zipf_exponent(num_experts: int, max_over_mean: float) -> float:
+    """The exponent a with max/mean = ``max_over_mean`` for popularity p_e ~ 1/(e+1)^a.
+
+    Raises:
+        ValueError: ``max_over_mean`` outside [1, E) (uniform is 1; all on one expert is E).
+    """
+    if not 1.0 <= max_over_mean < num_experts:
+        raise ValueError(f"max_over_mean must be in [1, E={num_experts}) (1 = uniform), got "
+                         f"{max_over_mean}")
+    ranks = np.arange(1, num_experts + 1, dtype=np.float64)
+
+    def ratio(a: float) -> float:
+        w = ranks ** -a
+        return float(w[0] / w.mean())
+
+    lo, hi = 0.0, 1.0
+    while ratio(hi) < max_over_mean:
+        hi *= 2.0
+    for _ in range(100):  # bisection: ratio grows with a
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if ratio(mid) < max_over_mean else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def synthetic_loads(num_ranks: int, num_experts: int, pairs_per_rank: int,
+                    max_over_mean: float = 1.0, seed: int = 0,
+                    popularity_seed: Optional[int] = None) -> np.ndarray:
+    """(W, E) int64 routed pairs: every source rank draws ``pairs_per_rank`` pairs from one
+    expert popularity, uniform (``max_over_mean`` = 1) or Zipf with that max/mean.
+
+    The Zipf ranks are shuffled over the experts (``popularity_seed``, default ``seed``),
+    so hot experts land on random owners; the draw itself uses ``seed`` (a second step of
+    the same popularity: same ``popularity_seed``, another ``seed``). Pairs, not tokens:
+    a token's K experts are drawn independently here.
+
+    Raises:
+        ValueError: non-positive sizes or ``max_over_mean`` outside [1, E).
+    """
+    if num_ranks < 1 or num_experts < 1 or pairs_per_rank < 0:
+        raise ValueError(f"need num_ranks >= 1, num_experts >= 1, pairs_per_rank >= 0; got "
+                         f"{num_ranks}, {num_experts}, {pairs_per_rank}")
+    a = 0.0 if max_over_mean == 1.0 else zipf_exponent(num_experts, max_over_mean)
+    p = np.arange(1, num_experts + 1, dtype=np.float64) ** -a
+    np.random.default_rng(seed if popularity_seed is None else popularity_seed).shuffle(p)
+    rng = np.random.default_rng([seed, 1])
+    return rng.multinomial(pairs_per_rank, p / p.sum(), size=num_ranks).astype(np.int64)
+
+
+def trace_loads(path: os.PathLike, num_ranks: int, tokens_per_rank: Optional[int] = None,
+                record: Optional[int] = None, seed: int = 0) -> Tuple[np.ndarray, dict]:
+    """(W, E) routed pairs from a routing trace (``lrmoe train --record-trace``) and its meta.
+
+    With ``record`` (an index into the trace's (step, layer) records), that record's
+    tokens are dealt to the W source ranks in contiguous blocks (data-parallel shards).
+    Otherwise ``W x tokens_per_rank`` tokens are drawn with replacement from all records
+    (:func:`lrmoe.workload.trace.trace_routing`), which keeps the recorded model's skew at any
+    batch size (default: the records' own token count per rank).
+
+    Raises:
+        FileNotFoundError: no trace at ``path``.
+        ValueError: ``record`` out of range or fewer tokens than ranks.
+    """
+
+    meta, arrays = load_trace(path)
+    E, K = int(meta["num_experts"]), int(meta["top_k"])
+    if record is not None:
+        if not -len(arrays) <= record < len(arrays):
+            raise ValueError(f"record must index the trace's {len(arrays)} records, got {record}")
+        ids_TK = arrays[record]
+    else:
+        tokens = tokens_per_rank if tokens_per_rank is not None else max(
+            1, arrays[0].shape[0] // num_ranks)
+        ids_TK = trace_routing(path, num_ranks * tokens, E, K, seed=seed).numpy()
+    if ids_TK.shape[0] < num_ranks:
+        raise ValueError(f"the trace record has {ids_TK.shape[0]} tokens, fewer than the "
+                         f"{num_ranks} ranks; pass tokens_per_rank to resample")
+    load = np.zeros((num_ranks, E), dtype=np.int64)
+    for s, block in enumerate(np.array_split(ids_TK, num_ranks)):
+        load[s] = np.bincount(block.reshape(-1), minlength=E)
+    return load, meta
+
+
+def cluster_loads(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k: int,
+                  steps: int, layers: int, max_over_mean: float = 2.0,
+                  trace: Optional[str] = None, seed: int = 0) -> np.ndarray:
+    """(S, Lyr, W, E) int64 routed pairs for a cluster.
+
+    Synthetic (``trace`` None): each layer has its own Zipf popularity with the given
+    max/mean (hot experts at random ids, fixed over steps), each step a fresh multinomial
+    draw of ``tokens_per_rank x top_k`` pairs per source (:func:`lrmoe.planner.
+    synthetic_loads`). From a routing trace (``lrmoe train --record-trace``): simulated
+    layer l replays recorded layer ``l mod L_rec`` and step s recorded step
+    ``s mod S_rec``; that record's tokens are re-sampled with replacement to W x
+    tokens_per_rank tokens (the recorded skew at the paper's batch) and dealt to the
+    sources in blocks.
+
+    Raises:
+        ValueError: non-positive sizes, or a trace of another E / top_k.
+    """
+    if min(num_ranks, num_experts, tokens_per_rank, steps, layers) < 1:
+        raise ValueError("num_ranks, num_experts, tokens_per_rank, steps and layers must be "
+                         f">= 1; got {num_ranks}, {num_experts}, {tokens_per_rank}, {steps}, "
+                         f"{layers}")
+    out = np.zeros((steps, layers, num_ranks, num_experts), dtype=np.int64)
+    if trace is None:
+        for s in range(steps):
+            for l in range(layers):
+                out[s, l] = synthetic_loads(num_ranks, num_experts, tokens_per_rank * top_k,
+                                            max_over_mean, seed=seed + 7919 * s + l,
+                                            popularity_seed=seed + 104729 * (l + 1))
+        return out
+    meta, arrays = load_trace(trace)
+    if int(meta["num_experts"]) != num_experts or int(meta["top_k"]) != top_k:
+        raise ValueError(f"trace {trace} has E={meta['num_experts']}, top_k={meta['top_k']}; "
+                         f"the simulated model has E={num_experts}, top_k={top_k}")
+    rec_layers = list(meta["layers"])
+    rec_steps = len(arrays) // len(rec_layers)
+    rng = np.random.default_rng(seed)
+    n = num_ranks * tokens_per_rank
+    for s in range(steps):
+        for l in range(layers):
+            ids = arrays[(s % rec_steps) * len(rec_layers) + l % len(rec_layers)]
+            pick = ids[rng.integers(0, ids.shape[0], size=n)]
+            for w, block in enumerate(pick.reshape(num_ranks, tokens_per_rank, -1)):
+                out[s, l, w] = np.bincount(block.reshape(-1), minlength=num_experts)
+    return out

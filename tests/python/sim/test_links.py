@@ -1,0 +1,74 @@
+"""Link files (lrmoe/sim/links.py), read by ``lrmoe sim --links`` and ``lrmoe bench a2a
+--base-links``: a good file's figures as written, and every malformed one refused with
+the file and the key named (no YAML or codec traceback, no silently truncated value).
+"""
+import pytest
+
+from lrmoe.sim.links import Links
+
+_SIDES = ("intra_node: {GBps: 370, latency_us: 10, source: here}\n"
+          "inter_node: {GBps: 43, latency_us: 20}\n")
+
+
+def _file(tmp_path, text):
+    p = tmp_path / "links.yaml"
+    (p.write_bytes if isinstance(text, bytes) else p.write_text)(text)
+    return p
+
+
+def test_a_good_file_reads_as_written(tmp_path):
+    # 8.0 is 8 GPUs; "1.5e3" without a dot in the mantissa: YAML 1.1 reads `1e3` as a
+    # string, which the reader has always taken as the number it spells
+    p = _file(tmp_path, "name: n\ngpus_per_node: 8.0\n"
+              "intra_node: {GBps: 1e3, latency_us: 0.5, source: here}\n"
+              "inter_node: {GBps: 43, latency_us: 20}\n")
+    links = Links.from_file(str(p))
+    assert links.gpus_per_node == 8 and isinstance(links.gpus_per_node, int)
+    assert links.as_list() == [8.0, 1000.0, 0.5, 43.0, 20.0, 0.0]
+    assert links.name == "n" and links.sources["intra_node.source"] == "here"
+    assert links.sources["inter_node.source"] == ""
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("a: [\n", "not valid YAML at line 2"),
+    ("gpus_per_node: 8\nintra_node: {GBps: 1\n", "not valid YAML at line"),
+    ("", "must be a YAML mapping of gpus_per_node, intra_node and inter_node"),
+    ("- 1\n- 2\n", "got a list"),
+    ("just words\n", "got the single value 'just words'"),
+    (b"gpus_per_node: 8\nname: \xff\n", "not a UTF-8 text file"),
+    ("gpus_per_node: 8\n", "missing 'intra_node'"),
+    ("gpus_per_node: 8\nintra_node: [1]\ninter_node: {GBps: 43, latency_us: 20}\n",
+     "intra_node must be a mapping of GBps and latency_us"),
+    (_SIDES, "missing 'gpus_per_node'"),
+    ("gpus_per_node: 8\nintra_node: {GBps: 1}\ninter_node: {GBps: 43, latency_us: 20}\n",
+     "missing 'intra_node.latency_us'"),
+    ("gpus_per_node: 8\nintra_node: {GBps: fast, latency_us: 1}\n"
+     "inter_node: {GBps: 43, latency_us: 20}\n", "intra_node.GBps must be a number, got 'fast'"),
+    ("gpus_per_node: 8\nintra_node: {GBps: [1], latency_us: 1}\n"
+     "inter_node: {GBps: 43, latency_us: 20}\n", "intra_node.GBps must be a number"),
+    ("gpus_per_node: 8\nintra_node: {GBps: 370, latency_us: 10}\n"
+     "inter_node: {GBps: .inf, latency_us: 20}\n",
+     "inter_node.GBps (inter_GBps) must be a finite number > 0, got inf"),
+    ("gpus_per_node: 8\nintra_node: {GBps: 370, latency_us: .nan}\n"
+     "inter_node: {GBps: 43, latency_us: 20}\n", "intra_node.latency_us (intra_latency_us)"),
+    ("gpus_per_node: 8\nintra_node: {GBps: 370, latency_us: 10}\n"
+     "inter_node: {GBps: 43, latency_us: 0}\n", "must be a finite number > 0, got 0.0"),
+    ("gpus_per_node: true\n" + _SIDES, "gpus_per_node must be a whole number of GPUs >= 1, "
+     "got True"),
+    ("gpus_per_node: 8.9\n" + _SIDES, "whole number of GPUs >= 1, got 8.9"),
+    ("gpus_per_node: 0.5\n" + _SIDES, "whole number of GPUs >= 1, got 0.5"),
+    ("gpus_per_node: 0\n" + _SIDES, "whole number of GPUs >= 1, got 0"),
+    ("gpus_per_node: eight\n" + _SIDES, "gpus_per_node must be a number, got 'eight'")])
+def test_malformed_files_name_the_file_and_the_key(tmp_path, text, needle):
+    p = _file(tmp_path, text)
+    with pytest.raises(ValueError) as err:
+        Links.from_file(str(p))
+    assert str(err.value).startswith(f"{p}: ") and needle in str(err.value), str(err.value)
+
+
+def test_flag_names_the_option(tmp_path):
+    p = _file(tmp_path, "a: [\n")
+    with pytest.raises(ValueError, match=f"^--base-links {p}: not valid YAML"):
+        Links.from_file(str(p), flag="--base-links")
+    with pytest.raises(FileNotFoundError, match=f"^--links {tmp_path / 'no.yaml'}: no link"):
+        Links.from_file(str(tmp_path / "no.yaml"), flag="--links")

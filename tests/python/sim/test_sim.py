@@ -1,0 +1,351 @@
+"""Tests of the cluster simulator's Python face: ``lrmoe calibrate`` (lrmoe/bench/calibrate.py)
+and ``lrmoe sim`` (lrmoe/sim/simulate.py, lrmoe/sim/report.py). The simulator's arithmetic is tested
+on hand-computed toy clusters in tests/cpp/test_sim.cpp.
+
+References: hand-built expert id counts (torch.bincount), the file format written out in
+lrmoe/bench/calibrate.py's docstring, the EP layer's own DispatchPlan (lrmoe/parallel/plan.py)
+for the bytes, hand-computed steps to loss for Table 1.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from pathlib import Path
+
+import pytest
+import torch
+
+from lrmoe.bench import calibrate as C
+from lrmoe.sim.costs import load_costs
+from lrmoe import cli
+from lrmoe.sim.costs import PER_ROW, Costs
+from lrmoe.sim.links import Links
+
+
+def test_balanced_ids_give_every_expert_the_same_rows():
+    ids = C.balanced_ids(experts=4, rows=6, top_k=2, device=torch.device("cpu"))
+    assert ids.shape == (12, 2)
+    assert torch.bincount(ids.reshape(-1), minlength=4).tolist() == [6, 6, 6, 6]
+    assert all(len(set(row)) == 2 for row in ids.tolist())
+    with pytest.raises(ValueError, match="divisible by top_k"):
+        C.balanced_ids(experts=3, rows=1, top_k=2, device=torch.device("cpu"))
+
+
+def test_calibrate_quick_writes_a_valid_cost_file(tmp_path):
+    out = tmp_path / "costs" / "cpu.json"
+    rc = cli.main(["calibrate", "--quick", "--device", "cpu", "--shapes", "smoke",
+                   "--out", str(out)])
+    assert rc == 0
+    data = load_costs(str(out))
+    assert data["format"] == C.FORMAT and data["quick"] is True
+    for key in ("machine", "device", "torch", "date", "command"):
+        assert data["meta"][key]
+    assert data["meta"]["torch"] == torch.__version__
+    shape = data["shapes"]["smoke"]
+    got = {(p["experts"], p["rows_per_expert"]) for p in shape["points"]}
+    assert got == {(e, r) for e in C.QUICK_EXPERTS for r in C.QUICK_ROWS}
+    for p in shape["points"]:
+        assert p["pairs"] == p["experts"] * p["rows_per_expert"]
+        assert p["tokens"] * min(2, p["experts"]) == p["pairs"]
+        assert p["fwd_ms"] > 0 and p["bwd_ms"] > 0
+        assert p["phases_ms"]["expert_gemm_fwd"] > 0 and p["phases_ms"]["expert_gemm_bwd"] > 0
+    assert set(shape["per_row_ms"]) >= {"permute", "combine", "score", "select", "compact",
+                                        "scatter", "fwd_rest", "bwd_rest"}
+    assert all(v >= 0 for v in shape["per_row_ms"].values())
+
+
+def test_calibrate_refuses_bad_input(tmp_path, capsys):
+    rc = cli.main(["calibrate", "--quick", "--device", "cpu", "--shapes", "smoke",
+                   "--out", str(tmp_path / "x.json"), "--iters", "1"])
+    assert rc == 0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "other"}))
+    with pytest.raises(ValueError, match="lrmoe calibrate"):
+        load_costs(str(bad))
+    with pytest.raises(ValueError, match="--shapes"):
+        C.calibrate(str(tmp_path / "y.json"), "cpu", ["nope"], quick=True)
+
+
+def test_calibrate_ep_times_the_ep_layer_at_size_one(tmp_path):
+    """``torchrun --nproc-per-node 1 -m lrmoe calibrate --ep --quick`` (gloo): the EP
+    points are the two largest one-device points of the most experts, their extras follow
+    from the file's own medians and all-to-all phases by the documented formula
+    (lrmoe/bench/calibrate_ep.py), and ``ep_fwd``/``ep_bwd`` are the largest point's extras per
+    pair; outside torchrun the flag names torchrun."""
+    from test_expert_parallel import _torchrun
+    out = tmp_path / "ep.json"
+    r = _torchrun(["--ep", "--quick", "--device", "cpu", "--shapes", "smoke", "--out",
+                   str(out)], tmp_path, nproc=1, timeout=300, subcommand=("calibrate",))
+    assert r.returncode == 0, r.stderr[-3000:]
+    shape = load_costs(str(out))["shapes"]["smoke"]
+    local = {(p["experts"], p["rows_per_expert"]): p for p in shape["points"]}
+    eps = shape["ep_points"]
+    assert [(p["experts"], p["rows_per_expert"]) for p in eps] == [
+        (max(C.QUICK_EXPERTS), rows) for rows in sorted(C.QUICK_ROWS)[-2:]]
+    for p in eps:
+        here = local[(p["experts"], p["rows_per_expert"])]
+        assert p["local_fwd_ms"] == here["fwd_ms"] and p["local_bwd_ms"] == here["bwd_ms"]
+        ph = p["phases_ms"]
+        assert all(ph[k] > 0 for k in ("a2a_counts", "a2a_dispatch", "a2a_combine",
+                                        "a2a_grad", "a2a_dx"))
+        a2a_f = ph["a2a_counts"] + ph["a2a_dispatch"] + ph["a2a_combine"]
+        a2a_b = ph["a2a_grad"] + ph["a2a_dx"]
+        assert p["extra_fwd_ms"] == pytest.approx(max(0.0, p["fwd_ms"] - here["fwd_ms"] - a2a_f))
+        assert p["extra_bwd_ms"] == pytest.approx(max(0.0, p["bwd_ms"] - here["bwd_ms"] - a2a_b))
+    big = max(eps, key=lambda p: p["pairs"])
+    assert shape["per_row_ms"]["ep_fwd"] == pytest.approx(big["extra_fwd_ms"] / big["pairs"])
+    assert shape["per_row_ms"]["ep_bwd"] == pytest.approx(big["extra_bwd_ms"] / big["pairs"])
+    costs = Costs.from_file(str(out), "smoke")
+    assert costs.per_row["ep_fwd"] == shape["per_row_ms"]["ep_fwd"]
+    # a file written without --ep simulates with no EP work (the committed H200 file)
+    old = Costs.from_file(str(Path(__file__).resolve().parents[3] / "configs" / "costs"
+                                / "h200.json"), "qwen3-30b-a3b")
+    assert old.per_row["ep_fwd"] == 0.0 and old.per_row["ep_bwd"] == 0.0
+    r = _torchrun(["--ep", "--quick", "--device", "cpu", "--shapes", "smoke", "--out",
+                   str(tmp_path / "no.json")], tmp_path, nproc=0, subcommand=("calibrate",))
+    assert r.returncode != 0 and "torchrun --nproc-per-node 1 -m lrmoe calibrate --ep" in r.stderr
+    r = _torchrun(["--ep", "--quick", "--device", "cpu", "--shapes", "smoke", "--out",
+                   str(tmp_path / "two.json")], tmp_path, nproc=2, subcommand=("calibrate",))
+    assert r.returncode != 0 and "torchrun started 2 processes" in r.stderr
+
+
+def test_sim_charges_ep_costs_per_received_row_from_two_ranks():
+    """ep_fwd / ep_bwd reach the simulator in their places (PER_ROW order through the op):
+    fixed ownership of 8 experts over W = 2, 100 pairs per (source, expert), so each
+    rank receives 2 x 4 x 100 = 800 rows: by hand +0.8 ms at 1e-3 ms per row, forward
+    only for ep_fwd, backward only for ep_bwd; nothing at W = 1."""
+    from lrmoe.sim import simulate as S
+    from lrmoe.planner.plan import MemoryModel
+    g = np.array([[1, 1024, 1.0, 2.0], [16, 1024, 16.0, 32.0]], dtype=np.float64)
+
+    def costs(**kw):
+        per_row = {k: 0.0 for k in PER_ROW}
+        per_row.update(kw)
+        return Costs("toy", {}, g, per_row, 10.0, {"device": "toy"})
+    mem = MemoryModel(1, 1, 1, 1, 1, 1 << 40, 0, optimizer_on_device=False)
+    links = Links.from_file()
+    for W, want in ((2, 0.8), (1, 0.0)):
+        load = np.full((1, 1, W, 8), 100, dtype=np.int64)
+        run = lambda c: S.simulate(load, "fixed", mem, c, links, 64, 0.0, replica_slots=0,
+                                   threads=1)
+        base = run(costs())
+        f, b = run(costs(ep_fwd=1e-3)), run(costs(ep_bwd=1e-3))
+        assert f["expert_fwd_ms"][0] - base["expert_fwd_ms"][0] == pytest.approx(want)
+        assert f["expert_bwd_ms"][0] == pytest.approx(base["expert_bwd_ms"][0])
+        assert b["expert_bwd_ms"][0] - base["expert_bwd_ms"][0] == pytest.approx(want)
+        assert b["expert_fwd_ms"][0] == pytest.approx(base["expert_fwd_ms"][0])
+
+
+# ------------------------------------------------------------------------- lrmoe sim
+def _toy_costs(hidden: int = 768):
+    """Costs with hand-set round numbers (not a calibration): 1 ms per 1k rows forward."""
+    g = np.array([[1, 1024, 1.0, 2.0], [16, 1024, 16.0, 32.0]], dtype=np.float64)
+    return Costs("toy", {}, g, {k: 1e-6 for k in PER_ROW}, 10.0, {"device": "toy"})
+
+
+@pytest.mark.parametrize("rate, policy", [(0.0, "fixed"), (0.3, "lrmoe")])
+def test_sim_bytes_equal_the_ep_layers_dispatch_plan(rate, policy):
+    """The bytes the simulator says each rank sends equal those the EP layer's
+    DispatchPlan (lrmoe/parallel/plan.py, built per rank from the same counts) moves:
+    the formulas of lrmoe/parallel/__init__.py applied to its split lists."""
+    from lrmoe.sim import simulate as S
+    from lrmoe.moe.config import LRMoEConfig
+    from lrmoe.parallel.plan import build_plan
+    from lrmoe.planner.plan import MemoryModel
+    W, E, H, es = 2, 8, 64, 2
+    rng = np.random.default_rng(3)
+    load = rng.integers(0, 40, size=(W, E)).astype(np.int64)
+    mem = MemoryModel(1, 1, 1, 1, 1, 1 << 40, 0, optimizer_on_device=False)
+    res = S.simulate(load[None, None], policy, mem, _toy_costs(), Links.from_file(), H,
+                     rate, replica_slots=0, per_rank_bytes=True, threads=1)
+    assert res["feasible"][0] == 1
+    sent = res["sent_N5W"][0]
+    cfg = LRMoEConfig(hidden_size=H, moe_intermediate_size=32, num_experts=E, top_k=2,
+                      recalibration_rate=rate)
+    row = H * es
+    for r in range(W):
+        p = build_plan(load.tolist(), torch.as_tensor(load), r, E // W, cfg)
+        want = [sum(p.input_splits) * row, p.num_received * (row + 4), p.num_retained * row,
+                p.num_retained * 4, p.num_grad_received * row]
+        assert [int(v) for v in sent[:, r]] == want, (r, dict(zip(S.SENT_KEYS, want)))
+
+
+def _write_trace(path, steps=2, layers=2, tokens=64, E=128, K=8, seed=0):
+    from lrmoe.workload.trace import RoutingTrace
+    rng = np.random.default_rng(seed)
+    tr = RoutingTrace(E, K)
+    for s in range(steps):
+        tr.step = s
+        for l in range(layers):
+            p = np.arange(1, E + 1, dtype=np.float64) ** -1.0
+            ids = np.stack([rng.choice(E, K, replace=False, p=p / p.sum()) for _ in range(tokens)])
+            tr.record(l, torch.as_tensor(ids))
+    tr.save(path)
+    return path
+
+
+def test_sim_cli_writes_json_and_figures_labelled_simulated(tmp_path):
+    costs = tmp_path / "costs.json"
+    assert cli.main(["calibrate", "--quick", "--device", "cpu", "--shapes", "gpu-small",
+                     "--out", str(costs), "--iters", "1"]) == 0
+    trace = _write_trace(tmp_path / "trace.npz")
+    results = tmp_path / "results.json"
+    cells = [{"labels": {"rate": r, "seed": 0, "selection": "none" if r == 0 else "topk"},
+              "evals": [{"step": 10 * k, "val_loss": 5.0 - k * (0.5 if r == 0 else 0.4)}
+                        for k in range(6)]} for r in (0.0, 0.3)]
+    results.write_text(json.dumps(cells))
+    out = tmp_path / "out"
+    rc = cli.main(["sim", "--costs", str(costs), "--model", "gpu-small", "--gpus", "2",
+                   "--tokens-per-gpu", "64", "--steps", "2", "--layers", "2", "--trace",
+                   str(trace), "--pressure", "1", "2", "--pressure-tokens-per-gpu", "64",
+                   "--results", str(results), "--targets", "4.0", "--scale", "2", "4",
+                   "--threads", "1", "--out", str(out)])
+    assert rc == 0
+    data = json.loads((out / "sim.json").read_text())
+    assert data["label"] == "simulated" and "simulated" in data["note"]
+    assert set(data["policies"]) == {"fixed", "ultraep", "symi", "lrmoe"}
+    for v in data["policies"].values():
+        assert v["feasible"] == 1.0 and v["fwd_ms"] > 0 and v["bwd_ms"] > 0
+    # lrmoe at c = 0.3 keeps floor(0.7 n) of each layer's pairs; the baselines all
+    assert data["policies"]["fixed"]["retained_fraction"] == 1.0
+    assert 0.69 < data["policies"]["lrmoe"]["retained_fraction"] <= 0.7
+    # Table 1: c = 0 reaches 4.0 at step 20 (5 - 2 x 0.5), c = 0.3 at step 30 (5 - 3 x 0.4)
+    row = data["table1"][0]
+    assert (row["steps_c0"], row["steps_rate"]) == (20, 30)
+    assert row["lrmoe"] == pytest.approx(30 * data["policies"]["lrmoe"]["moe_ms_per_step"]
+                                         / 60000.0)
+    assert [r["gpus"] for r in data["scale"]["policies"]["fixed"]] == [2, 4]
+    assert [r["multiplier"] for r in data["pressure"]["policies"]["lrmoe"]] == [1, 2]
+    for png in ("fig6_pressure.png", "fig7_memory.png", "fig8_latency.png", "scale.png"):
+        assert (out / png).stat().st_size > 1000
+
+
+def test_sim_refuses_bad_input(tmp_path):
+    from lrmoe.sim import simulate as S
+    bad = tmp_path / "links.yaml"
+    bad.write_text("gpus_per_node: 8\nintra_node: {GBps: 0, latency_us: 1}\n"
+                   "inter_node: {GBps: 1, latency_us: 1}\n")
+    with pytest.raises(ValueError, match="intra_GBps"):
+        Links.from_file(str(bad))
+    with pytest.raises(ValueError, match="load_SLWE must be 4-D"):
+        S.simulate(np.zeros((2, 8), dtype=np.int64), "fixed", None, _toy_costs(),
+                   Links.from_file(), 64)
+    with pytest.raises(ValueError, match="--gpus 3"):
+        cli_args = ["sim", "--costs", "x.json", "--gpus", "3"]
+        from lrmoe.sim.report import run_sim
+        run_sim(cli.build_parser().parse_args(cli_args))
+
+
+def _hand_cost_file(path, fwd_total=5.0, bwd_total=9.0):
+    """One shape (gpu-small dims), two points at 128 experts; each point's medians exceed
+    its named phases by a known rest (forward 5 - 4 = 1 ms, backward 9 - 7 = 2 ms)."""
+    phases = dict(router=1.0, permute=0.5, expert_gemm_fwd=2.0, combine=0.5,
+                  router_grad=1.0, score=0.5, select=0.5, compact=1.0,
+                  expert_gemm_bwd=3.0, scatter=1.0)
+    pts = [dict(experts=128, rows_per_expert=r, tokens=128 * r // 8, pairs=128 * r,
+                fwd_ms=fwd_total * m, bwd_ms=bwd_total * m,
+                phases_ms={k: v * m for k, v in phases.items()})
+           for r, m in ((1024, 1.0), (2048, 2.0))]
+    per_row = {k: 0.0 for k in ("router", "permute", "combine", "router_grad", "score",
+                                 "select", "compact", "scatter")}
+    per_row.update(fwd_rest=0.25, bwd_rest=0.5)
+    data = dict(format=C.FORMAT, quick=False, bandwidth=dict(copy_GBps=0.0, h2d_GBps=0.0),
+                shapes={"gpu-small": dict(dims=C.SHAPES["gpu-small"], points=pts,
+                                          per_row_ms=per_row)},
+                meta=dict(machine="hand", device="hand", torch="-", date="-", command="-"))
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_costs_fold_each_points_rest_into_its_gemm_time(tmp_path):
+    c = Costs.from_file(str(_hand_cost_file(tmp_path / "c.json")), "gpu-small")
+    # forward GEMM 2 + rest (5 - 1 - 0.5 - 2 - 0.5 = 1), backward 3 + (9 - 7 = 2), per point
+    assert c.gemm_G4.tolist() == [[128, 1024, 3.0, 5.0], [128, 2048, 6.0, 10.0]]
+    assert c.per_row["fwd_rest"] == 0.0 and c.per_row["bwd_rest"] == 0.0
+
+
+def test_validate_simulates_the_benchs_own_uneven_routing(tmp_path):
+    """W = 1, c = 0, all per-row costs 0: the simulated forward is the mean over the
+    bench's three routings of the mean over experts of the 128-expert curve at each
+    expert's rows (GemmTable::ms_instances), computed here by hand from bincount."""
+    from lrmoe.sim import report as R
+    from lrmoe.workload.routing import make_routing
+    costs = _hand_cost_file(tmp_path / "c.json")
+    tokens, E, K = 32768, 128, 8
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"records": [dict(
+        method="lrmoe", shape="gpu-small", tokens=tokens, routing="skewed", rate=0.0,
+        fwd_ms=1.0, bwd_ms=1.0)]}))
+    (row,) = R.validate(str(bench), str(costs), R.Links.from_file())
+
+    def curve(x, y1, y2):  # through (1024, y1), (2048, y2); flat below, slope beyond
+        return y1 if x <= 1024 else y1 + (y2 - y1) * (x - 1024) / 1024
+
+    want = np.mean([np.mean([curve(n, 3.0, 6.0) for n in torch.bincount(
+        make_routing("skewed", tokens, E, K, s).reshape(-1), minlength=E).tolist()])
+        for s in range(3)])
+    assert row["sim_fwd_ms"] == pytest.approx(want, rel=1e-9)
+    even = curve(tokens * K / E, 3.0, 6.0)  # the old model: rows spread evenly
+    assert row["sim_fwd_ms"] > even * 1.05  # a skewed load costs more than its mean
+
+
+def test_validate_ep_simulates_every_ranks_routing_and_its_policy(tmp_path):
+    """An expert-parallel bench file (W = 2): each record is simulated at W = 2 on every
+    rank's own routing (set s of rank r: seed s + 1000 r, counted here with bincount).
+    With the hand cost file (copy bandwidth 0: a rank's rows to itself are free) the
+    fixed-ownership dispatch of a set (the record without a policy) is, by the link model of docs/simulation.md,
+    latency + max over ranks of max(rows out, rows in) x H x 2 bytes / bandwidth,
+    computed here from the counts; the errors are simulated / measured - 1."""
+    from lrmoe.sim import validate as V
+    from lrmoe.workload.routing import make_routing
+    costs = _hand_cost_file(tmp_path / "c.json")
+    T, E, K, H, W = 2048, 128, 8, 768, 2
+    recs = [dict(method="lrmoe", policy=pol, rate=c, shape="gpu-small", tokens_per_rank=T,
+                 routing="skewed", world_size=W, fwd_ms=2.0, bwd_ms=4.0,
+                 phases_ms={"a2a_dispatch": 0.5, "a2a_combine": 0.5, "a2a_grad": 0.25,
+                            "a2a_dx": 0.25})
+            for pol in (None, "ultraep") for c in (0.0, 0.3)]
+    recs.append(dict(method="dropless", rate=None, shape="gpu-small", world_size=W,
+                     fwd_ms=1.0, bwd_ms=1.0))
+    bench = tmp_path / "ep.json"
+    bench.write_text(json.dumps({"records": recs, "meta": {"replica_slots": 2}}))
+    links = V.Links.from_file()
+    rows = V.validate(str(bench), str(costs), links)
+    # ultraep at c = 0.3 (a baseline placement with LRMoE's quotas) is not modelled
+    assert [(r["policy"], r["rate"]) for r in rows] == [(None, 0.0), (None, 0.3),
+                                                      ("ultraep", 0.0)]
+    loads = V.bench_loads("skewed", T, E, K, ranks=W)
+    for s in range(3):
+        for r in range(W):
+            want = torch.bincount(make_routing("skewed", T, E, K, s + 1000 * r).reshape(-1),
+                                  minlength=E)
+            assert loads[s, 0, r].tolist() == want.tolist()
+    owner = np.arange(E) // (E // W)
+    dispatch = []
+    for s in range(3):
+        out = [int(loads[s, 0, r][owner != r].sum()) for r in range(W)]
+        inn = [int(sum(loads[s, 0, q][owner == r].sum() for q in range(W) if q != r))
+               for r in range(W)]
+        worst = max(max(o, i) for o, i in zip(out, inn))
+        dispatch.append(links.intra_latency_us * 1e-3 + worst * H * 2 / (links.intra_GBps * 1e6))
+    fixed = rows[0]
+    # the bench's all-to-all ranges come from its profiled step on input set 0
+    assert fixed["sim_dispatch_ms"] == pytest.approx(dispatch[0], rel=1e-9)
+    assert fixed["dispatch_rel_err"] == pytest.approx(fixed["sim_dispatch_ms"] / 0.5 - 1)
+    assert fixed["fwd_rel_err"] == pytest.approx(fixed["sim_fwd_ms"] / 2.0 - 1)
+    for r in rows:
+        assert all(np.isfinite(r[f"sim_{k}"]) and r[f"sim_{k}"] > 0 for k in (
+            "fwd_ms", "bwd_ms", "dispatch_ms", "combine_ms", "grad_a2a_ms", "dx_a2a_ms"))
+    # c = 0.3 keeps fewer gradient rows: a smaller backward all-to-all, same forward
+    assert rows[1]["sim_grad_a2a_ms"] < rows[0]["sim_grad_a2a_ms"]
+    assert rows[1]["sim_dispatch_ms"] == rows[0]["sim_dispatch_ms"]
+    with pytest.raises(ValueError, match="not an lrmoe bench layer result"):
+        (tmp_path / "x.json").write_text("[]")
+        V.validate(str(tmp_path / "x.json"), str(costs), links)
+    with pytest.raises(ValueError, match="bench a2a result"):
+        (tmp_path / "a.json").write_text(json.dumps({"fit": {}, "records": [{"ms": 1.0}]}))
+        V.validate(str(tmp_path / "a.json"), str(costs), links)
+    with pytest.raises(ValueError, match="no LRMoE record at a shape"):
+        (tmp_path / "s.json").write_text(json.dumps({"records": [dict(recs[0], shape="smoke")]}))
+        V.validate(str(tmp_path / "s.json"), str(costs), links)
