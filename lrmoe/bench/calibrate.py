@@ -234,7 +234,7 @@ def _join_ep_group(dev: torch.device, device: Optional[str]):
             ``--device cuda:N`` other than the rank's bound ``cuda:LOCAL_RANK``.
     """
     from lrmoe.parallel import init_torchrun_group
-    from lrmoe.training.distributed import under_torchrun
+    from lrmoe.parallel.group import under_torchrun
     run = "torchrun --nproc-per-node 1 -m lrmoe calibrate --ep ..."
     if dist.is_initialized():
         world, where = dist.get_world_size(), "the process group has"

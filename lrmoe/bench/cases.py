@@ -11,6 +11,7 @@ from typing import Iterator, List, Optional, Sequence
 
 import torch
 
+from lrmoe.moe.stats import max_over_mean
 from lrmoe.workload.routing import ROUTING_SEED_STRIDE, make_routing
 from lrmoe.workload.shapes import SHAPES
 
@@ -68,3 +69,9 @@ def make_inputs(case: Case, device: torch.device, rotate: int, trace: Optional[s
     gs = [torch.randn(case.tokens, d["hidden"], generator=gen).to(device, case.dtype)
           for _ in range(rotate)]
     return Inputs(ids, xs, gs, seeds)
+
+
+def load_imbalance(ids: torch.Tensor, num_experts: int) -> Optional[float]:
+    """max / mean of the routed loads n_e of (T, K) expert ids
+    (:func:`lrmoe.moe.stats.max_over_mean`; None for no tokens)."""
+    return max_over_mean(torch.bincount(ids.reshape(-1).cpu(), minlength=num_experts))

@@ -125,7 +125,7 @@ def _check_trace(args: argparse.Namespace) -> None:
 
     meta, _ = load_trace(args.trace)
     for name in args.shapes:
-        d = SHAPES[name]
+        d = SHAPES[name].dims
         if (meta["num_experts"], meta["top_k"]) != (d["experts"], d["top_k"]):
             raise ValueError(f"--trace {args.trace} was recorded with E={meta['num_experts']}, "
                              f"K={meta['top_k']}, but --shapes {name} has E={d['experts']}, "

@@ -26,8 +26,8 @@ from lrmoe.bench.profile import (CPU_OP_CAT, DEVICE_CATS, load_trace, trace_name
                                  where_time_goes)
 from lrmoe.bench.profile import write as write_time_goes
 from lrmoe.bench.report import FAILED, check_targets, markdown, plot, write_reports
-from lrmoe.workload.routing import DEFAULT_ROTATE, load_imbalance
-from lrmoe.bench.cases import Case, cases, make_inputs
+from lrmoe.workload.routing import DEFAULT_ROTATE
+from lrmoe.bench.cases import Case, cases, load_imbalance, make_inputs
 from lrmoe.bench.timing import (PeakMemory, Timer, achieved_rates, kernel_split,
                                 measure_ceilings, phase_times, profile_step, time_iterations)
 from lrmoe.moe.offload import OFFLOAD_MODES

@@ -331,8 +331,8 @@ def bench_layer_ep(ep: int, shapes: Sequence[str], tokens: Sequence[int],
                          "from --methods when running with --ep")
     torch_dtype = check_choices(shapes, methods, dtype)
     for s in shapes:
-        if SHAPES[s]["experts"] % ep:
-            raise ValueError(f"--shapes {s} has {SHAPES[s]['experts']} experts, not "
+        if SHAPES[s].num_experts % ep:
+            raise ValueError(f"--shapes {s} has {SHAPES[s].num_experts} experts, not "
                              f"divisible by --ep {ep}; pick an --ep that divides it")
     use_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     created = not dist.is_initialized()

@@ -34,6 +34,11 @@ FAILED = -1
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
+
+def under_torchrun() -> bool:
+    """Whether torchrun (or another launcher setting RANK and WORLD_SIZE) started us."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
 def init_torchrun_group(ep_size: int, use_cuda: bool, setting: str, dp_size: int = 1
                         ) -> str:
     """Join the default process group that ``torchrun`` prepared for this process.

@@ -21,7 +21,7 @@ import numpy as np
 from lrmoe.moe.stats import max_over_mean
 from lrmoe.planner import plan as P
 from lrmoe.workload.loads import synthetic_loads, trace_loads
-from lrmoe.workload.shapes import SHAPES, ModelShape
+from lrmoe.workload.shapes import MODELS, ModelShape
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,7 +43,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--seed", type=int, default=0, help="seed of the synthetic draw/resampling")
     m = p.add_argument_group("cluster and model")
     m.add_argument("--ep", type=int, default=8, metavar="W", help="expert-parallel size")
-    m.add_argument("--model", choices=sorted(SHAPES), default="qwen3-30b-a3b",
+    m.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b",
                    help="model shape for expert and token-row bytes")
     m.add_argument("--budget", default="80GiB", help="device memory per GPU")
     m.add_argument("--resident", default="64GiB",
@@ -224,7 +224,7 @@ def run_plan(args: argparse.Namespace) -> int:
     Raises:
         ValueError: bad arguments or input (the message names the option).
     """
-    shape = SHAPES[args.model]
+    shape = MODELS[args.model]
     memory = P.MemoryModel.from_shape(shape, P.parse_bytes(args.budget),
                                       P.parse_bytes(args.resident), args.optimizer == "device")
     load_WE, prev_E, what = _loads(args, shape)

@@ -30,7 +30,7 @@ from lrmoe.sim.costs import Costs
 from lrmoe.sim.links import Links
 from lrmoe.workload.loads import cluster_loads
 from lrmoe.utils.paths import check_output
-from lrmoe.workload.shapes import SHAPES
+from lrmoe.workload.shapes import MODELS
 from lrmoe.sim.validate import read_bench, validate
 from lrmoe.planner.plan import DEFAULT_BALANCE_SLACK, GiB, POLICIES
 
@@ -52,7 +52,7 @@ def add_sim_arguments(p) -> None:
                    help="calibrated shape to take the costs from (default: --model)")
     p.add_argument("--links", default=None, metavar="FILE.yaml",
                    help="link costs (default: configs/links/default.yaml)")
-    p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(SHAPES))
+    p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(MODELS))
     p.add_argument("--gpus", type=int, default=8, help="GPUs in the EP group (nodes of 8)")
     p.add_argument("--tokens-per-gpu", type=int, default=4 * 8192,
                    help="tokens per GPU per micro-batch (the paper: 4 x 8192)")
@@ -136,7 +136,7 @@ def run_sim(args) -> dict:
                          f"got {args.skew}")
     if any(not m > 0 for m in args.pressure):
         raise ValueError(f"--pressure multipliers must be > 0, got {args.pressure}")
-    e = SHAPES[args.model].num_experts
+    e = MODELS[args.model].num_experts
     for w in args.scale:  # W GPUs: W / ep copies of one EP group of ep = min(W, E) ranks
         if w < 1 or e % min(w, e) or w % min(w, e):
             raise ValueError(f"--scale {w}: a cluster size must divide E={e} or be a "
@@ -153,7 +153,7 @@ def run_sim(args) -> dict:
             except (json.JSONDecodeError, UnicodeDecodeError) as err:
                 raise ValueError(f"{flag} {f}: not a JSON file ({err})") from None
     check_output("--out", args.out, is_dir=True)
-    shape = SHAPES[args.model]
+    shape = MODELS[args.model]
     if args.gpus > shape.num_experts or shape.num_experts % args.gpus:
         raise ValueError(f"--gpus {args.gpus} must divide E={shape.num_experts} (one EP "
                          "group); for larger clusters (data-parallel copies of a group) "

@@ -35,9 +35,9 @@ from lrmoe.sim.links import Links
 # DEFAULT_ROTATE: the input sets of a file whose meta does not record them (one-device
 # files written before it did)
 from lrmoe.workload.routing import DEFAULT_ROTATE as BENCH_ROTATE
-from lrmoe.workload.routing import ROUTINGS
+from lrmoe.workload.routing import ROUTING_SEED_STRIDE, ROUTINGS, make_routing
 from lrmoe.sim.costs import load_costs
-from lrmoe.workload.shapes import SHAPES
+from lrmoe.workload.shapes import MODELS
 from lrmoe.planner.plan import POLICIES
 
 #: simulated field -> the bench's profiled range of the same all-to-all
@@ -55,7 +55,6 @@ def bench_loads(routing: str, tokens: int, experts: int, top_k: int,
         load = np.full((1, 1, ranks, experts), tokens * top_k // experts, np.int64)
         load[..., : tokens * top_k % experts] += 1
         return load
-    from lrmoe.workload.routing import ROUTING_SEED_STRIDE, make_routing
     return np.stack([np.stack([np.bincount(
         make_routing(routing, tokens, experts, top_k, s + ROUTING_SEED_STRIDE * r)
         .reshape(-1).numpy(), minlength=experts) for r in range(ranks)])
@@ -89,7 +88,7 @@ def validate_one(records: List[dict], costs_file: str, links: Links,
         costs = _costs(cache, costs_file, r["shape"])
         if costs is None:
             continue
-        shape = SHAPES[r["shape"]]
+        shape = MODELS[r["shape"]]
         load = bench_loads(r["routing"], r["tokens"], shape.num_experts, shape.top_k, rotate)
         mem = S.memory_model(shape, 1 << 50, 0)
         # the one-device layer has no all-to-all (the EP path's self-copy is not charged)
@@ -136,7 +135,7 @@ def validate_ep(result: dict, costs_file: str, links: Links) -> List[dict]:
         costs = _costs(cache, costs_file, r["shape"])
         if costs is None:
             continue
-        shape, world = SHAPES[r["shape"]], int(r["world_size"])
+        shape, world = MODELS[r["shape"]], int(r["world_size"])
         load = bench_loads(r["routing"], r["tokens_per_rank"], shape.num_experts,
                            shape.top_k, rotate=rotate, ranks=world)
         policy, rate = r.get("policy"), float(r["rate"] or 0.0)
@@ -183,7 +182,7 @@ def validate(bench_json: str, costs_file: str, links: Links) -> List[dict]:
         shapes = sorted({str(r.get("shape")) for r in data["records"]})
         raise ValueError(f"--validate {bench_json}: no LRMoE record at a shape that "
                          f"{costs_file} calibrates and the simulator models (shapes in the "
-                         f"file: {', '.join(shapes)}; simulated: {', '.join(sorted(SHAPES))})")
+                         f"file: {', '.join(shapes)}; simulated: {', '.join(sorted(MODELS))})")
     return rows
 
 
@@ -259,7 +258,7 @@ def _used(r: dict) -> bool:
     """A record the simulator compares: a timed LRMoE one at a simulated shape (an
     untimed one, failed or out of memory, has no or a null ``fwd_ms``)."""
     return (r.get("method") == "lrmoe" and r.get("fwd_ms") is not None
-            and isinstance(r.get("shape"), str) and r["shape"] in SHAPES)
+            and isinstance(r.get("shape"), str) and r["shape"] in MODELS)
 
 
 def _number(v) -> bool:
@@ -280,7 +279,7 @@ def _check_record(r: dict, ep: bool) -> Optional[tuple]:
     as (field, how it reads, fix), or None: every field it reads, in the range it needs
     (a negative token count reaches torch as a tensor size, a rate >= 1 the planner, a
     world size not dividing E the placement; a time of 0 divides the error)."""
-    shape = SHAPES[r["shape"]]
+    shape = MODELS[r["shape"]]
     checks = [("routing", lambda v: v in ROUTINGS, f"one of {', '.join(ROUTINGS)}")]
     if ep:
         e = shape.num_experts
@@ -341,7 +340,7 @@ def _check_meta(meta, bench_json: str) -> None:
 def read_bench(bench_json: str, costs_file: Optional[str] = None) -> dict:
     """The JSON of ``lrmoe bench layer`` (one device or ``--ep``), checked before any
     simulation runs: its structure, and every field the simulation reads of every record
-    it compares (the timed LRMoE records at a simulated shape, :data:`SHAPES`): present,
+    it compares (the timed LRMoE records at a simulated shape, :data:`lrmoe.workload.shapes.MODELS`): present,
     of the right type and range (times in ms > 0 and finite, tokens whole and >= 1, rate
     in [0, 1), a known routing and policy, a world size dividing E), and the meta's
     ``rotate``/``replica_slots``. With ``costs_file`` also that it calibrates one of their
@@ -377,7 +376,7 @@ def read_bench(bench_json: str, costs_file: Optional[str] = None) -> dict:
                 and not isinstance(r.get("shape"), str)):
             # the shape decides whether a timed LRMoE record is simulated: it must be a name
             bad = ("shape", _shown(r, "shape"),
-                   f"the layer shape's name (simulated: {', '.join(sorted(SHAPES))})")
+                   f"the layer shape's name (simulated: {', '.join(sorted(MODELS))})")
         else:
             bad = _check_record(r, ep) if _used(r) else None
         if bad is not None:
@@ -395,7 +394,7 @@ def read_bench(bench_json: str, costs_file: Optional[str] = None) -> dict:
         raise ValueError(f"--validate {bench_json}: no LRMoE record at a shape the simulator "
                          f"models, with measured times (LRMoE shapes in the file: "
                          f"{', '.join(shapes) or 'none'}; simulated: "
-                         f"{', '.join(sorted(SHAPES))}){smoke}")
+                         f"{', '.join(sorted(MODELS))}){smoke}")
     if costs_file is not None:
         calibrated = set(load_costs(costs_file)["shapes"])
         mine = sorted({r["shape"] for r in used})

@@ -16,12 +16,9 @@ from typing import Any, Callable, Optional, Tuple, TypeVar
 import torch
 from torch import Tensor
 
+from lrmoe.parallel.group import under_torchrun
+
 T = TypeVar("T")
-
-
-def under_torchrun() -> bool:
-    """Whether torchrun (or another launcher setting RANK and WORLD_SIZE) started us."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def env_rank() -> int:

@@ -10,7 +10,6 @@ from typing import Optional
 
 import torch
 
-from lrmoe.moe.stats import max_over_mean
 from lrmoe.workload.trace import trace_routing
 
 
@@ -56,7 +55,3 @@ def make_routing(kind: str, num_tokens: int, num_experts: int, top_k: int, seed:
     return torch.topk(logp + gumbel, top_k, dim=-1).indices
 
 
-def load_imbalance(ids: torch.Tensor, num_experts: int) -> Optional[float]:
-    """max / mean of the routed loads n_e of (T, K) expert ids
-    (:func:`lrmoe.moe.stats.max_over_mean`; None for no tokens)."""
-    return max_over_mean(torch.bincount(ids.reshape(-1).cpu(), minlength=num_experts))

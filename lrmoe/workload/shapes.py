@@ -1,6 +1,6 @@
-"""The one registry of MoE layer shapes: every command that takes a model shape
-(``lrmoe plan --model``, ``lrmoe sim --model``, ``lrmoe bench layer --shapes``, ``lrmoe
-calibrate --shapes``) reads :data:`SHAPES`.
+"""The one registry of MoE layer shapes: every command that takes a model shape reads
+:data:`SHAPES` (``lrmoe bench layer --shapes``, ``lrmoe calibrate --shapes``) or its real
+models, :data:`MODELS` (``lrmoe plan --model``, ``lrmoe sim --model``).
 """
 from __future__ import annotations
 
@@ -50,15 +50,8 @@ SHAPES: Dict[str, ModelShape] = {s.name: s for s in (
     ModelShape("gpu-small", 768, 256, 128, 8, 8),
     ModelShape("smoke", 64, 32, 8, 2, 1, shared_expert_intermediate_size=32),
 )}
-
-
-def shape_named(name: str, flag: str = "--model") -> ModelShape:
-    """The registered shape ``name``.
-
-    Raises:
-        ValueError: an unknown name, naming ``flag`` and the registered shapes.
-    """
-    if name not in SHAPES:
-        raise ValueError(f"{flag}: unknown model shape {name!r}; choose from {sorted(SHAPES)} "
-                         "(lrmoe/workload/shapes.py)")
-    return SHAPES[name]
+#: the shapes of real models, which the planner and the simulator model (``lrmoe plan
+#: --model``, ``lrmoe sim --model``, the records ``lrmoe sim --validate`` compares);
+#: ``smoke`` is a benchmark shape only
+MODELS: Dict[str, ModelShape] = {n: SHAPES[n] for n in ("qwen3-30b-a3b", "glm-4.5-air",
+                                                        "gpu-small")}

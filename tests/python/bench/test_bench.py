@@ -23,7 +23,8 @@ from lrmoe.bench.layer import bench_layer, run_case
 from lrmoe.bench.methods import build_methods
 from lrmoe.bench.report import check_targets, load_targets, markdown
 from lrmoe.bench.cases import Case
-from lrmoe.workload.routing import load_imbalance, make_routing
+from lrmoe.bench.cases import load_imbalance
+from lrmoe.workload.routing import make_routing
 
 REPO = Path(__file__).resolve().parents[3]
 

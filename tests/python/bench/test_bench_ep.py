@@ -58,7 +58,7 @@ def test_ep_smoke_run_phases_and_bytes(tmp_path):
         assert rec["tokens_per_rank"] == tokens and len(rec["a2a_bytes_per_rank"]) == world
 
     # hand computation from the documented routing of input set 0 of each rank
-    d = SHAPES["smoke"]
+    d = SHAPES["smoke"].dims
     E, K, H, esize = d["experts"], d["top_k"], d["hidden"], 4  # float32 on the CPU
     el = E // world
     ids = [make_routing("skewed", tokens, E, K, seed=1000 * rank) for rank in range(world)]
@@ -248,7 +248,7 @@ def test_ep_policies_rows_agreement_and_plan(tmp_path):
     assert [x["label"] for x in data["records"]] == [
         "lrmoe c=0", "lrmoe c=0.3", "lrmoe fixed c=0", "lrmoe fixed c=0.3",
         "lrmoe ultraep c=0", "lrmoe ultraep c=0.3", "lrmoe lrmoe c=0", "lrmoe lrmoe c=0.3"]
-    d = SHAPES["smoke"]
+    d = SHAPES["smoke"].dims
     pairs = sum(make_routing("skewed", tokens, d["experts"], d["top_k"], seed=1000 * rank)
                 .numel() for rank in range(world))
     for rec in data["records"]:

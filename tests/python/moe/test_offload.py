@@ -226,7 +226,7 @@ def test_bench_layer_reports_offload_bytes(tmp_path):
                          device="cpu", dtype="float32", iters=1, warmup=1, rotate=1,
                          out_dir=str(tmp_path), offload="activations")
     (rec,) = result["records"]
-    d = SHAPES["smoke"]
+    d = SHAPES["smoke"].dims
     pairs = 64 * d["top_k"]
     kept = int((1 - Fraction(3, 10)) * pairs)
     h_row = 2 * d["inter"] * 4

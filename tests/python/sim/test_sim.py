@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lrmoe.bench import calibrate as C
-from lrmoe.sim.costs import load_costs
 from lrmoe import cli
-from lrmoe.sim.costs import PER_ROW, Costs
+from lrmoe.bench import calibrate as C
+from lrmoe.sim.costs import PER_ROW, Costs, load_costs
 from lrmoe.sim.links import Links
+from lrmoe.workload.shapes import SHAPES
 
 
 def test_balanced_ids_give_every_expert_the_same_rows():
@@ -251,7 +251,7 @@ def _hand_cost_file(path, fwd_total=5.0, bwd_total=9.0):
                                  "select", "compact", "scatter")}
     per_row.update(fwd_rest=0.25, bwd_rest=0.5)
     data = dict(format=C.FORMAT, quick=False, bandwidth=dict(copy_GBps=0.0, h2d_GBps=0.0),
-                shapes={"gpu-small": dict(dims=C.SHAPES["gpu-small"], points=pts,
+                shapes={"gpu-small": dict(dims=SHAPES["gpu-small"].dims, points=pts,
                                           per_row_ms=per_row)},
                 meta=dict(machine="hand", device="hand", torch="-", date="-", command="-"))
     path.write_text(json.dumps(data))
