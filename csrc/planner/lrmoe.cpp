@@ -7,8 +7,8 @@
 //      experts: a water level over their quotas, no expert below
 //      floor((1 - max_expert_cut) n_e) retained. At c = 0 nothing is cut (exact
 //      training).
-//   3. Only then replicas: for a rank still over, its experts by retained rows
-//      descending move rows (forward and retained together, so saved activations
+//   3. Only then replicas, for the hard limits first: for a rank still over, its
+//      experts by retained rows descending move rows (forward and retained together, so saved activations
 //      never move) to a replica on the rank with the most room that has a free slot
 //      (replica_slots per rank) and no instance of the expert. A replica the retained
 //      load does not need is never placed: replicas come only after the cut.
@@ -16,7 +16,7 @@
 //      within every rank's remaining backward rows.
 //   With balance_slack >= 0 the steps 3-4 also aim at (1 + slack) x the mean retained
 //   rows per rank, as if it were a row capacity (but missing it is not infeasible):
-//   the hot ranks' experts are replicated. The target never cuts demand (step 2 sees
+//   with the slots the hard limits left, the hot ranks' experts are replicated. The target never cuts demand (step 2 sees
 //   only the budget and the row capacity): balance is bought with replicas, and c
 //   alone decides how many pairs the backward drops (a first version cut for the
 //   target too and kept 0.61-0.69 of the pairs at c = 0.3: experiments/sim_balance.py).
@@ -147,7 +147,7 @@ class LRMoEPolicy final : public Policy {
       if (need > 0) bwd_W[r] -= water_cut(owned_by(r), std::min(need, bwd_W[r]), floor_E, &Q);
     }
 
-    // 3. replicas for ranks still over, most over first
+    // 3. replicas for ranks still over
     std::vector<detail::Replica> replicas;
     // held_EW[e * W + j]: rank j holds an instance of e (a flat table: the balance target
     // places many replicas, and scanning the list for every candidate rank made the
@@ -172,65 +172,78 @@ class LRMoEPolicy final : public Policy {
                                                             static_cast<double>(n_E[e])))
                         : 0;
     };
-    std::vector<int32_t> ranks(static_cast<size_t>(W));
-    std::iota(ranks.begin(), ranks.end(), 0);
-    std::stable_sort(ranks.begin(), ranks.end(), [&](int32_t a, int32_t b) {
-      return rows_to_shed(a, fb + bb, cap_rows) > rows_to_shed(b, fb + bb, cap_rows);
-    });
+    // Replicas for the ranks over `cap` retained rows (or their memory), most over first.
+    // Run twice: for the hard limits (budget, row capacity) first, then, with the slots
+    // left, for the balance target -- chasing the target first could spend a rank's last
+    // slot on balance and leave a rank over its budget where every baseline fits
+    // (tests/cpp/test_planner.cpp, "FeasibleWheneverUltraEPIs").
     bool slots_bind = false;
-    for (int32_t r : ranks) {
-      if (rows_to_shed(r, fb + bb, cap_rows) == 0) continue;
-      std::vector<int32_t> hot = owned_by(r);
-      std::stable_sort(hot.begin(), hot.end(), [&](int32_t a, int32_t b) { return Q[a] > Q[b]; });
-      for (int32_t e : hot) {
-        if (n_E[e] == 0) continue;
-        // bytes one moved forward row takes along, and its retained share
-        const double share = static_cast<double>(Q[e]) / static_cast<double>(n_E[e]);
-        const double row_bytes = static_cast<double>(fb) + static_cast<double>(bb) * share;
-        auto fwd_rows_for = [&](int64_t bytes, int64_t bwd_rows, bool up) {
-          // forward rows whose bytes reach `bytes` and whose retained rows reach bwd_rows
-          // (up: the fewest that do; else the most that stay within them)
-          double f = row_bytes > 0 ? static_cast<double>(bytes) / row_bytes : 0.0;
-          if (share > 0) {
-            const double g = static_cast<double>(bwd_rows) / share;
-            f = up ? std::max(f, g) : std::min(f, g);
+    auto place_replicas = [&](int64_t cap) {
+      std::vector<int32_t> ranks(static_cast<size_t>(W));
+      std::iota(ranks.begin(), ranks.end(), 0);
+      std::stable_sort(ranks.begin(), ranks.end(), [&](int32_t a, int32_t b) {
+        return rows_to_shed(a, fb + bb, cap) > rows_to_shed(b, fb + bb, cap);
+      });
+      for (int32_t r : ranks) {
+        if (rows_to_shed(r, fb + bb, cap) == 0) continue;
+        std::vector<int32_t> hot = owned_by(r);
+        std::stable_sort(hot.begin(), hot.end(), [&](int32_t a, int32_t b) { return Q[a] > Q[b]; });
+        for (int32_t e : hot) {
+          if (n_E[e] == 0) continue;
+          // bytes one moved forward row takes along, and its retained share
+          const double share = static_cast<double>(Q[e]) / static_cast<double>(n_E[e]);
+          const double row_bytes = static_cast<double>(fb) + static_cast<double>(bb) * share;
+          auto fwd_rows_for = [&](int64_t bytes, int64_t bwd_rows, bool up) {
+            // forward rows whose bytes reach `bytes` and whose retained rows reach bwd_rows
+            // (up: the fewest that do; else the most that stay within them)
+            double f = row_bytes > 0 ? static_cast<double>(bytes) / row_bytes : 0.0;
+            if (share > 0) {
+              const double g = static_cast<double>(bwd_rows) / share;
+              f = up ? std::max(f, g) : std::min(f, g);
+            }
+            return static_cast<int64_t>(up ? std::ceil(f) : std::floor(f));
+          };
+          while (owner_fwd[e] > 0) {
+            const int64_t over = std::max<int64_t>(0, over_bytes(r));
+            const int64_t over_rows = std::max<int64_t>(0, bwd_W[r] - cap);
+            if (over == 0 && over_rows == 0) break;
+            const int64_t need = fwd_rows_for(over, over_rows, true);
+            if (need <= 0) break;  // nothing this expert's rows can shed (no retained share)
+            int32_t t = -1;
+            int64_t t_rows = 0;
+            bool slot_short = false;
+            for (int32_t j = 0; j < W; ++j) {
+              if (j == r) continue;
+              if (holds(e, j)) continue;
+              // forward rows j can take with a new replica: bytes left after the copy,
+              // and its row capacity for their retained share
+              const int64_t left = -over_bytes(j) - copy;
+              if (left <= 0) continue;
+              const int64_t room = std::max<int64_t>(0, cap - bwd_W[j]);
+              const int64_t rows = fwd_rows_for(left, room, false);
+              if (rows <= 0) continue;
+              if (reps_W[j] >= in.replica_slots) { slot_short = true; continue; }
+              if (rows > t_rows) { t = j; t_rows = rows; }
+            }
+            if (t < 0) {
+              // only a hard limit missed makes slots the binding constraint
+              slots_bind = slots_bind || (slot_short && cap == hard_rows);
+              break;
+            }
+            const int64_t q = std::min({need, owner_fwd[e], t_rows});
+            const int64_t qb = retained_of(e, q);
+            replicas.push_back({e, t, q});
+            held_EW[static_cast<size_t>(e) * W + t] = 1;
+            owner_fwd[e] -= q;
+            reps_W[t] += 1;
+            fwd_W[t] += q; bwd_W[t] += qb;
+            fwd_W[r] -= q; bwd_W[r] -= qb;
           }
-          return static_cast<int64_t>(up ? std::ceil(f) : std::floor(f));
-        };
-        while (owner_fwd[e] > 0) {
-          const int64_t over = std::max<int64_t>(0, over_bytes(r));
-          const int64_t over_rows = std::max<int64_t>(0, bwd_W[r] - cap_rows);
-          if (over == 0 && over_rows == 0) break;
-          const int64_t need = fwd_rows_for(over, over_rows, true);
-          if (need <= 0) break;  // nothing this expert's rows can shed (no retained share)
-          int32_t t = -1;
-          int64_t t_rows = 0;
-          bool slot_short = false;
-          for (int32_t j = 0; j < W; ++j) {
-            if (j == r) continue;
-            if (holds(e, j)) continue;
-            // forward rows j can take with a new replica: bytes left after the copy,
-            // and its row capacity for their retained share
-            const int64_t left = -over_bytes(j) - copy;
-            if (left <= 0) continue;
-            const int64_t room = std::max<int64_t>(0, cap_rows - bwd_W[j]);
-            const int64_t rows = fwd_rows_for(left, room, false);
-            if (rows <= 0) continue;
-            if (reps_W[j] >= in.replica_slots) { slot_short = true; continue; }
-            if (rows > t_rows) { t = j; t_rows = rows; }
-          }
-          if (t < 0) { slots_bind = slots_bind || slot_short; break; }
-          const int64_t q = std::min({need, owner_fwd[e], t_rows});
-          const int64_t qb = retained_of(e, q);
-          replicas.push_back({e, t, q});
-          held_EW[static_cast<size_t>(e) * W + t] = 1;
-          owner_fwd[e] -= q;
-          reps_W[t] += 1;
-          fwd_W[t] += q; bwd_W[t] += qb;
-          fwd_W[r] -= q; bwd_W[r] -= qb;
         }
       }
-    }
+    };
+    place_replicas(hard_rows);
+    if (cap_rows < hard_rows) place_replicas(cap_rows);
 
     detail::RankBytes bytes;
     bytes.base_W.assign(static_cast<size_t>(W), base);

@@ -53,7 +53,8 @@ struct PlanInput {
   int64_t backward_row_capacity = 0; // most retained rows per rank (0: memory only); a
                                      // constraint for every policy
   // lrmoe: < 0 off; >= 0 aims at most (1 + balance_slack) x the mean retained rows per
-  // rank (a target: cut, then replicas, as for the budget; never makes a plan infeasible)
+  // rank: a target met with the replica slots the hard limits leave; it never cuts
+  // demand and never makes a plan infeasible
   double balance_slack = -1.0;
   int64_t min_replica_rows = 1;      // ultraep u_min: fewest rows worth a replica
 };

@@ -275,6 +275,32 @@ TEST(PlannerInvariants, EveryPolicyOnRandomLoads) {
   EXPECT_GT(infeasible, 50);
 }
 
+TEST(PlannerInvariants, FeasibleWheneverUltraEPIs) {
+  // lrmoe places its replicas for the hard limits before it chases the balance target
+  // (csrc/planner/lrmoe.cpp, step 3): with memory as the only limit it must fit wherever
+  // ultraep (replicas only, no cut) fits, at the default target (slack 0) as without it.
+  // Before that order, 15 of 3,000 such instances were infeasible at slack 0 alone.
+  std::mt19937_64 rng(26);
+  int ultraep_fits = 0;
+  for (int t = 0; t < 3000; ++t) {
+    const int W = std::vector<int>{2, 4, 8}[rng() % 3];
+    const int E = W * std::vector<int>{1, 2, 4}[rng() % 3];
+    PlanInput in = random_input(rng, W, E);
+    in.backward_row_capacity = 0;
+    in.previous_load_E.clear();
+    if (!make_plan("ultraep", in).feasible) continue;
+    ++ultraep_fits;
+    for (double slack : {0.0, -1.0, 0.05}) {
+      in.balance_slack = slack;
+      const Plan p = make_plan("lrmoe", in);
+      ASSERT_TRUE(p.feasible) << "trial " << t << " W=" << W << " E=" << E << " c="
+                              << in.recalibration_rate << " slots=" << in.replica_slots
+                              << " slack=" << slack << ": " << p.reason;
+    }
+  }
+  EXPECT_GT(ultraep_fits, 500);  // the budgets must leave ultraep room to fit often
+}
+
 TEST(PlannerInvariants, SkewedCornerCases) {
   // all tokens to one expert, all to one rank's experts, an expert with no tokens,
   // a rank with no tokens, no tokens at all
