@@ -1,5 +1,5 @@
 """The adaptive rate: a retained-mass target rho* instead of a fixed rate c (beyond the
-paper; README ``--retained-mass-target``).
+paper; docs/training.md "Options", ``--retained-mass-target``).
 
     python experiments/adaptive_rate.py --preset tiny --steps 300 --seeds 0 1 2
     python experiments/adaptive_rate.py --preset gpu-small --device cuda --targets 0.99 \

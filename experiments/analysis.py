@@ -1,6 +1,6 @@
 """What the recipes compute from a grid's ``results.json`` (see ``experiments/grid.py``).
 
-Definitions (docs/experiments.md states them with the results):
+Definitions (docs/journal/experiments.md states them with the results):
 
 * **final perplexity** of a run: the mean validation perplexity of its last ``last_evals``
   evaluations after step 0 (the paper averages the perplexity of its last 1,000 of 10,000 steps; we

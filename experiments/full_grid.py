@@ -1,4 +1,4 @@
-"""The whole grid of docs/experiments.md in one command: rate sweep, metric ablation,
+"""The whole grid of docs/journal/experiments.md in one command: rate sweep, metric ablation,
 selection and quota rule, adaptive rate; each cell once (recipes share cells by name).
 
     python experiments/full_grid.py --preset gpu-small --device cuda --steps 300 \

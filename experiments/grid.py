@@ -8,7 +8,7 @@ safe to interrupt and re-run:
 * a cell whose ``summary.json`` says it reached its steps is skipped (its numbers are
   kept, never recomputed);
 * a cell that has a checkpoint continues from it (``--resume``; exact on the CPU, see
-  README "Stopping and resuming");
+  docs/training.md "Stopping and resuming");
 * a cell that failed or was killed before its first checkpoint starts over
   (``--overwrite``), its old log kept beside the new one;
 * a cell that fails does not stop the grid: the failure is recorded and the next cell runs;
@@ -259,7 +259,7 @@ def run_grid(cells: Sequence[Cell], root: str | os.PathLike, base_args: Sequence
         if prune_checkpoints:
             # a cell whose checkpoints go when it finishes needs only its newest one to
             # resume; two per cell (the trainer's default) filled the H200 machine's
-            # 64 GiB at six gpu-small cells (7.5 GB a checkpoint, docs/experiments.md)
+            # 64 GiB at six gpu-small cells (7.5 GB a checkpoint, docs/journal/experiments.md)
             cmd += ["--set", "run.keep_checkpoints=1"]
         if state == "resume":
             cmd += ["--resume", str(run_dir)]

@@ -395,8 +395,8 @@ class LRMoELayer(MoELayerBase):
             backward is selected on the token-owner rank before the gradient all-to-all.
             Constructing and every forward/backward are collectives over the group.
             None: one device.
-        policy: placement of expert instances under EP (README "Placement policies and
-            replicas"): ``"fixed"``, ``"ultraep"``, ``"symi"``, ``"lrmoe"``, a dict of
+        policy: placement of expert instances under EP (docs/parallel.md "Placement policies
+            and replicas"): ``"fixed"``, ``"ultraep"``, ``"symi"``, ``"lrmoe"``, a dict of
             :class:`lrmoe.parallel.placement.Placement` fields (budget, resident bytes,
             slots) or a Placement. Every call plans with ``lrmoe.planner`` on the
             exchanged counts and runs each pair on the instance the plan gives it;

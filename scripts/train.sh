@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The main job: train a small Qwen3-MoE model with LRMoE layers on real text -- the `tiny`
 # preset (a few minutes on 2 CPU cores) on GCIDE dictionary definitions, recalibration
-# rate c = 0.3 with the LRM metric and importance selection (the defaults README
-# "Defaults, and why" gives the evidence for). Sets up what it needs first:
+# rate c = 0.3 with the LRM metric and importance selection (the defaults
+# docs/training.md "Defaults, and why" gives the evidence for). Sets up what it needs first:
 #   1. GCIDE (Debian package dict-gcide) when /usr/share/dictd/gcide.index is missing and
 #      no --data is given (apt-get, as root);
 #   2. the environment (scripts/bootstrap.sh: .venv, pinned packages, lrmoe._C, the
@@ -12,7 +12,7 @@
 #
 # Usage: bash scripts/train.sh [lrmoe train options]   e.g. --steps 200, --resume,
 #        --preset gpu-small, --data alpaca:my.jsonl, --set optim.lr=1e-3, --tensorboard
-#        (README.md, "Training")
+#        (docs/training.md; README.md, "The main job")
 # Environment: everything bootstrap.sh reads (LRMOE_VENV, PYTHON, MAX_JOBS, ...).
 set -euo pipefail
 

@@ -49,7 +49,7 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="timed iterations of the transformers block")
     p.add_argument("--out", default="bench-out", help="folder for json/md/png")
     p.add_argument("--append-md", default=None,
-                   help="also append the markdown table to this file (docs/performance.md)")
+                   help="also append the markdown table to this file (docs/journal/performance.md)")
     p.add_argument("--ep", type=int, default=None, metavar="N",
                    help="expert-parallel benchmark over N processes: launch with torchrun "
                         "--nproc-per-node N; experts sharded E/N per rank, --tokens per rank; "

@@ -104,7 +104,7 @@ class GraphedStep:
         # thread_local: in the default "global" mode an unsafe CUDA call from any other
         # thread (the profiler's, after a profiled step) invalidates the capture; on the
         # H200 the bench's captures failed that way after its profiled eager rows, while
-        # a capture with no profiler before it worked (docs/performance.md, session 5)
+        # a capture with no profiler before it worked (docs/journal/performance.md, session 5)
         with torch.cuda.graph(self.fwd_graph, capture_error_mode="thread_local"):
             self.out_TH = self.forward(self.x_TH, self.ids_TK)
         with torch.cuda.graph(self.bwd_graph, pool=self.fwd_graph.pool(),

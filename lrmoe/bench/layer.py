@@ -88,7 +88,7 @@ def run_case(case: Case, rates: Sequence[float], methods: Sequence[str], device:
             graphed.append((rec, method))
     # graph rows last: a graph's memory pool, or a failed capture, must not cost a
     # baseline its row (session 4 lost every GLM baseline to the pools of the graphs
-    # before it, docs/performance.md); each row still follows its eager row
+    # before it, docs/journal/performance.md); each row still follows its eager row
     for rec, method in graphed:
         try:
             grec = graph_record(rec, method, inputs, case, device, timer, warmup, iters,
@@ -115,7 +115,7 @@ def _release(method, device: torch.device) -> None:
         # accumulate on the default stream from the capture stream, which invalidates the
         # capture (torch warns "AccumulateGrad node's stream does not match"; on the H200
         # every capture after an eager step failed so, none without one,
-        # docs/performance.md session 6)
+        # docs/journal/performance.md session 6)
         method.layer.aux_loss = method.layer.router_logits = None
     gc.collect()
     if device.type == "cuda":
@@ -197,7 +197,7 @@ def graph_record(eager: dict, method, inputs, case: Case, device: torch.device, 
     if profile_dir is not None:
         # the kernels of a replay are only traced when the profiler runs during the
         # capture; that capture is a second one, apart from the timed graphs, because on
-        # the H200 it has failed where the plain capture worked (docs/performance.md,
+        # the H200 it has failed where the plain capture worked (docs/journal/performance.md,
         # session 5): then the row keeps its times and says why it has no profile
         try:
             step = GraphedStep(method.forward, method.params, inputs.xs[0], inputs.ids[0],

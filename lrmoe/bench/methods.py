@@ -75,7 +75,7 @@ def layer_config(case: Case, offload: str = "none") -> LRMoEConfig:
     The benchmark times the deterministic top-k selection, not the library's default
     importance sampling: a CUDA-graph replay (``--cuda-graph``) repeats its capture's
     seed, so only top-k replays the eager step, and top-k continues the record of
-    docs/performance.md. The two differ only in the select kernel."""
+    docs/journal/performance.md. The two differ only in the select kernel."""
     d = case.dims
     return LRMoEConfig(hidden_size=d["hidden"], moe_intermediate_size=d["inter"],
                        num_experts=d["experts"], top_k=d["top_k"],

@@ -141,7 +141,7 @@ def _met(t: dict) -> str:
 
 # --------------------------------------------------------------------------- one device
 def markdown(records: List[dict], ceilings: dict, targets: List[dict], meta: dict) -> str:
-    """The run as a markdown section for docs/performance.md."""
+    """The run as a markdown section for docs/journal/performance.md."""
     lines = [f"### Layer benchmark, {meta['date']} ({meta['device']})", "",
              f"Command: `{meta['command']}`  ", f"torch {meta['torch']}; ceilings measured "
              f"in this run: copy {_f(ceilings.get('copy_GBps'))} GB/s, dense bf16 GEMM "
@@ -219,7 +219,7 @@ def plot(records: List[dict], path: Path) -> None:
 
 # --------------------------------------------------------------------------- expert parallel
 def markdown_ep(records: List[dict], meta: dict) -> str:
-    """The expert-parallel run as a markdown section (for docs/performance.md)."""
+    """The expert-parallel run as a markdown section (for docs/journal/performance.md)."""
     lines = [f"### Layer benchmark, expert parallel W = {meta['world_size']}, {meta['date']} "
              f"({meta['device']})", "",
              f"Command: `{meta['command']}`  ",

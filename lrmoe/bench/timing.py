@@ -1,7 +1,7 @@
 """Timing of ``lrmoe bench layer``: the timed loop, profiling, phase times, ceilings,
 peak memory and achieved rates.
 
-Timing (as docs/performance.md describes its method): warm-up, device events around
+Timing (as docs/benchmarking.md, "Method", describes it): warm-up, device events around
 forward and backward, the median of ``iters`` runs, inputs rotated over several sets so
 caches do not flatter the result. The breakdown comes from one profiled iteration:
 device time under each ``lrmoe.*`` range (router, permute, expert_gemm_fwd, combine;
@@ -171,7 +171,7 @@ def time_iterations(method, inputs: Inputs, timer: Timer, warmup: int, iters: in
     as ``triton.testing.do_bench`` times). ``sync_each``: wait for every step, warm-up
     included, before queuing the next instead; then each forward starts on an idle
     device and its host-side launches before the first large kernel count as device time
-    (up to 1 ms of the Qwen3 forward on the H200, docs/performance.md session 6; the
+    (up to 1 ms of the Qwen3 forward on the H200, docs/journal/performance.md session 6; the
     committed calibration, ``lrmoe calibrate``, was measured so). Returns (fwd ms list,
     bwd ms list) of the ``iters`` timed steps.
     """
@@ -211,7 +211,7 @@ def profile_step(method, inputs: Inputs, device: torch.device, split: bool = Fal
     x = inputs.xs[0].detach().requires_grad_()
     # from cleared gradients, as every timed step (time_iterations): else the step's
     # AccumulateGrad adds into the last step's weight gradients (0.82 ms of the Qwen3
-    # layer's profiled backward on the H200, docs/performance.md session 5)
+    # layer's profiled backward on the H200, docs/journal/performance.md session 5)
     for p in method.params:
         p.grad = None
 
@@ -255,7 +255,7 @@ class PeakMemory:
             ran before it. Without this a row that found gradients left by an earlier step
             (the LRMoE rows share one layer, and the agreement reference steps it) did not
             count them and one that found none did: 1.13 GiB of expert weight gradients at
-            the Qwen3-30B-A3B shape (docs/performance.md, session 9).
+            the Qwen3-30B-A3B shape (docs/journal/performance.md, session 9).
     """
 
     def __init__(self, device: torch.device, params: Sequence[torch.Tensor] = ()) -> None:

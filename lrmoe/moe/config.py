@@ -40,8 +40,8 @@ class LRMoEConfig:
         quota_rule: ``proportional`` or ``water_level``.
         selection: ``importance`` (default: unbiased sampling with 1/p rescaling) or
             ``topk`` (the paper's: deterministic best pairs). The default follows the
-            gpu-small grid of docs/experiments.md (3 seeds: +0.8 % perplexity at c = 0.3
-            against +16.5 % for top-k).
+            gpu-small grid of docs/results.md, "Quality: from scratch" (3 seeds: +0.8 %
+            perplexity at c = 0.3 against +16.5 % for top-k).
         seed: base seed of ``random`` and ``importance``; each backward adds its step.
         selective_backward: False runs the plain exact backward without scoring or
             selection (requires c = 0); c = 0 with True is bit-identical to it.
@@ -55,7 +55,7 @@ class LRMoEConfig:
     Memory:
         offload: ``none`` (default) or ``activations``: the expert forward's saved rows
             (h, and the dispatched x under EP) wait for the backward in pinned host memory
-            and only the kept rows come back (:mod:`lrmoe.offload`); results unchanged.
+            and only the kept rows come back (:mod:`lrmoe.moe.offload`); results unchanged.
 
     Raises:
         ValueError: naming the field and the accepted values, on any invalid setting.

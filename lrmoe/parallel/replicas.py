@@ -8,8 +8,8 @@ instances of experts owned elsewhere), H hidden, I2 = 2 x expert intermediate si
 One expert copy is one row of ``3 H I`` parameters (``gate_up_proj[e]`` then
 ``down_proj[e]``, flattened).
 
-Flow of one layer call (docs/planner.md, "Executing a plan"; README "Placement policies
-and replicas"): after the counts exchange every rank calls :func:`lrmoe.planner.plan.plan`
+Flow of one layer call (docs/planner.md, "Executing a plan"; docs/parallel.md "Placement
+policies and replicas"): after the counts exchange every rank calls :func:`lrmoe.planner.plan.plan`
 with the same (W, E) counts and settings (no collective) -> :meth:`ReplicaState.layout`
 turns the :class:`lrmoe.planner.plan.Plan` into an :class:`InstanceLayout` -> the dispatch plan
 follows it -> replica weights: ``ultraep`` and ``lrmoe`` fetch them from their owners in

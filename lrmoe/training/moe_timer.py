@@ -1,6 +1,6 @@
 """Time spent in the MoE layers: forward + backward of every MoE layer, per training step.
 
-The paper's time-to-loss metric counts MoE-layer execution only (docs/experiments.md).
+The paper's time-to-loss metric counts MoE-layer execution only (docs/journal/experiments.md, "Protocol").
 :class:`MoELayerTimer` hooks every MoE layer of a model (``lrmoe.integrations.
 transformers.moe_layers``): a forward pre-hook and a forward hook bracket its forward, a
 full backward pre-hook and a full backward hook bracket its backward (from the gradient at

@@ -134,7 +134,7 @@ class DataConfig:
         batch_size: B, sequences per micro-batch (per rank under expert parallelism).
         grad_accum: micro-batches per optimizer step.
         isolate_examples: the examples packed into one block do not attend to each other
-            and their positions restart at 0 (docs: README "Your own data or model");
+            and their positions restart at 0 (docs/training.md "Your own data or model");
             False: a block is one causal sequence.
     """
 
@@ -283,14 +283,14 @@ class ParallelConfig:
             instances under EP (``--policy fixed|ultraep|symi|lrmoe``, ``--memory-budget
             80GiB``: an int or a size text, ``--resident-bytes``: None measures
             ``torch.cuda.memory_allocated`` on the GPU, 0 on the CPU, ``--replica-slots``;
-            :func:`lrmoe.parallel.placement.placement_from_config`; README "Placement
+            :func:`lrmoe.parallel.placement.placement_from_config`; docs/parallel.md "Placement
             policies and replicas"); policy None: fixed ownership without the planner.
         dp_size: data-parallel size D of a DP x EP run (``--dp D``; 1 = EP over the whole
             world): ``torchrun --nproc-per-node D*ep_size`` ranks on a (dp, ep) mesh,
             experts sharded over ep and replicated over dp, every rank on its own
             batches (a step sees D * ep_size * batch_size sequences); dp rank 0 of each
             ep shard writes its checkpoints, dp ranks d > 0 only their logs, to
-            ``.../dp-rank-d`` (README "DP x EP").
+            ``.../dp-rank-d`` (docs/parallel.md "DP x EP").
     """
 
     ep_size: int = 1

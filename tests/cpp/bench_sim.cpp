@@ -7,7 +7,7 @@
 // "64-1024 GPUs"). Loads: the paper's micro-batch, 262,144 routed pairs per source rank
 // (4 x 8192 tokens x top-8), Zipf-skewed per layer (exponent 1, hot experts at random
 // ids per layer), 16 distinct steps of +-20 % noise replayed in turn as a re-sampled
-// trace is. Costs: the Qwen3-30B-A3B figures of docs/performance.md (one point per
+// trace is. Costs: the Qwen3-30B-A3B figures of docs/journal/performance.md (one point per
 // experts count, linear in rows), NVLink 370 GB/s, network 50 GB/s per GPU. c = 0.3 and
 // the balance target `slack` for lrmoe (0, the library's default,
 // lrmoe.planner.DEFAULT_BALANCE_SLACK; negative: off). Prints wall seconds per policy
@@ -60,7 +60,7 @@ int main(int argc, char** argv) {
   base.memory = {3 * H * I * 2, 3 * H * I * 4, 3 * H * I * 12, false,
                  2 * H + 4 * I + 2 * H, 6 * H + 12 * I, 80 * GiB, 64 * GiB};
   sim::SimConfig cfg;
-  // 32k tokens, 128 experts: forward GEMMs 4.03 ms, backward 8.35 ms (docs/performance.md)
+  // 32k tokens, 128 experts: forward GEMMs 4.03 ms, backward 8.35 ms (docs/journal/performance.md)
   for (double k : {1.0, 16.0, 128.0})
     for (double r : {256.0, 2048.0})
       cfg.cost.gemm.push_back({k, r, 4.03 * k / 128 * r / 2048, 8.35 * k / 128 * r / 2048});

@@ -3,7 +3,7 @@
 On the lent H200 (torch 2.11 image) an op whose error message streamed a double crashed
 the process (SIGSEGV) instead of raising; messages now format doubles with snprintf
 (``format_double`` in csrc/ops/common.h). One real error per kind is raised end to end
-here, on the CPU in CI and on the GPU machine by scripts/device_gpu_tests.sh.
+here, on the CPU in CI and on the GPU machine by tools/device/device_gpu_tests.sh.
 
 Below: user mistakes on the command line (lrmoe/cli.py, experiments/recipe.py) end in a
 clear error naming the flag, exit status 2, before any work and with nothing written.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Layer speed on one GPU, in one command (after the CUDA build, e.g. by
-# scripts/device_gpu_tests.sh or `LRMOE_CUDA=1 python3 setup.py build_ext --inplace`):
+# tools/device/device_gpu_tests.sh or `LRMOE_CUDA=1 python3 setup.py build_ext --inplace`):
 #   1. the GPU tests of the speed work: CUDA-graph replay == eager bitwise, the profile
 #      of the smoke shape, the layer against its references, select / dispatch_rows /
 #      gather_rows against the CPU op;
@@ -10,15 +10,15 @@
 # Writes 8 files under OUTDIR: gpu_tests.txt, bench_stdout.txt, layer_bench.{json,md,png},
 # where_time_goes.{md,json}, traces.tar.gz (the Chrome traces; open one in
 # https://ui.perfetto.dev).
-# Usage: bash scripts/device_speed.sh OUTDIR     (PYTHON: interpreter, default python3)
+# Usage: bash tools/device/device_speed.sh OUTDIR     (PYTHON: interpreter, default python3)
 # The torchtitan row needs torchtitan importable (PYTHONPATH, e.g. the /tmp/site of
-# docs/performance.md, "How to run the layer benchmark with the torchtitan baseline").
+# docs/journal/performance.md, "How to run the layer benchmark with the torchtitan baseline").
 # At most ~9.5 minutes (tests 200 s, bench 360 s timeouts); typically a few.
 # LRMOE_SPEED_SMOKE=1: the same on the CPU with the smoke shape and no CUDA graphs (to
 # check the script itself; the GPU tests skip there).
 set -uo pipefail
-out="${1:?usage: scripts/device_speed.sh OUTDIR}"
-cd "$(dirname "$0")/.."
+out="${1:?usage: tools/device/device_speed.sh OUTDIR}"
+cd "$(dirname "$0")/../.."
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 py="${PYTHON:-python3}"
@@ -28,8 +28,8 @@ start=$(date +%s)
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   "$py" -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
-  timeout 200 "$py" -m pytest -q -ra -p no:cacheprovider tests/python/test_layer_gpu.py \
-      tests/python/test_cuda_ops_lrmoe.py tests/python/test_cuda_ops_movement.py \
+  timeout 200 "$py" -m pytest -q -ra -p no:cacheprovider tests/python/moe/test_layer_gpu.py \
+      tests/python/ops/test_cuda_ops_lrmoe.py tests/python/ops/test_cuda_ops_movement.py \
       -k "graph or profile or layer or select or dispatch or gather"
   echo "pytest rc $? after $(( $(date +%s) - start )) s"; } > "$out/gpu_tests.txt" 2>&1
 

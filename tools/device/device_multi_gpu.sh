@@ -8,11 +8,11 @@
 # gpu-small` at EP = N for a few minutes at c = 0 and c = 0.3. Logs and results go to
 # $OUT (device tool) or ./multi-gpu-logs. GCIDE: dict-gcide installed, or LRMOE_GCIDE_DIR
 # set.
-# Usage: bash scripts/device_multi_gpu.sh [train seconds per run, default 240]
+# Usage: bash tools/device/device_multi_gpu.sh [train seconds per run, default 240]
 # POLICIES: the placement policies trained (default "none lrmoe"; all: none fixed
 # ultraep symi lrmoe), each at c = 0 and 0.3.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out="${OUT:-multi-gpu-logs}"; mkdir -p "$out"
 secs="${1:-240}"
 n=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -24,7 +24,7 @@ nvidia-smi topo -m >> "$out/gpu.txt" 2>&1
 python3 setup.py build_ext --inplace > "$out/build.log" 2>&1 || { tail -50 "$out/build.log"; exit 1; }
 launch=(python3 -m torch.distributed.run --nproc-per-node "$n" --master-addr 127.0.0.1)
 
-python3 -m pytest tests/python/test_expert_parallel.py tests/python/test_bench_ep.py -q -rA \
+python3 -m pytest tests/python/parallel/test_expert_parallel.py tests/python/bench/test_bench_ep.py -q -rA \
   -p no:cacheprovider -k nccl 2>&1 | tee "$out/nccl_tests.log" | grep -E "PASSED|FAILED|passed|failed"
 
 "${launch[@]}" -m lrmoe bench a2a --out "$out/a2a" 2>&1 | grep -v USDT | tee "$out/a2a.log" | tail -3

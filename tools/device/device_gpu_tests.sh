@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # GPU validation on a CUDA machine (the lent H200): builds the extension with CUDA
 # (sm_90a + sm_90) in place and runs the whole Python test suite, GPU tests included.
-# Logs go to $OUT (device tool) or ./gpu-test-logs. Usage: bash scripts/device_gpu_tests.sh
+# Logs go to $OUT (device tool) or ./gpu-test-logs. Usage: bash tools/device/device_gpu_tests.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out="${OUT:-gpu-test-logs}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 LRMOE_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The runtime measurements of one GPU session, most needed first, each under its own time
-# cap, so that a session cut short keeps what finished (docs/performance.md records them):
+# cap, so that a session cut short keeps what finished (docs/journal/performance.md records them):
 #   1. the CUDA build (setup.py build_ext --inplace, LRMOE_CUDA=1; incremental when warm);
 #   2. the GPU tests of the offload, the replicas (host syncs over NCCL at W = 1), the
 #      CUDA-graph replay and the changed kernels;
@@ -12,7 +12,7 @@
 #   4. experiments/offload_memory.py: gpu-small training with and without activation
 #      offload at c = 0 and 0.3 (peak memory, tokens/s, bytes), and the Qwen3 layer
 #      benchmark with and without offload.
-# Usage: bash scripts/device_measure.sh OUTDIR [STEPS]    (STEPS: offload train steps, 20)
+# Usage: bash tools/device/device_measure.sh OUTDIR [STEPS]    (STEPS: offload train steps, 20)
 # Writes at most 8 files: log.txt, costs.json, gpu_tests.txt, layer_bench.md,
 # where_time_goes.md, offload_report.md, results.tar.gz (every json, the bench PNG and the
 # offload runs' metrics), traces.tar.gz. Environment: PYTHON (python3), MAX_JOBS (16),
@@ -20,9 +20,9 @@
 # test files), CAL_ITERS (calibration iterations per point), BENCH_METHODS (lrmoe dropless;
 # torchtitan is added where importable), BENCH_ITERS.
 set -uo pipefail
-out_arg="${1:?usage: scripts/device_measure.sh OUTDIR [STEPS]}"
+out_arg="${1:?usage: tools/device/device_measure.sh OUTDIR [STEPS]}"
 steps="${2:-20}"
-# shellcheck source=scripts/device_common.sh
+# shellcheck source=tools/device/device_common.sh
 source "$(dirname "$0")/device_common.sh"
 device_setup "$out_arg" "$(mktemp -d)"
 pack() {  # everything so far into the two archives (re-made after each step)
@@ -35,9 +35,9 @@ pack() {  # everything so far into the two archives (re-made after each step)
 device_build pack
 
 timeout "${CAP_TESTS:-120}" "$py" -m pytest -q -ra -p no:cacheprovider -m gpu \
-  ${GPU_TESTS:-tests/python/test_offload.py tests/python/test_replicas.py \
-  tests/python/test_layer_gpu.py tests/python/test_cuda_ops_lrmoe.py \
-  tests/python/test_cuda_ops_movement.py} > "$out/gpu_tests.txt" 2>&1
+  ${GPU_TESTS:-tests/python/moe/test_offload.py tests/python/parallel/test_replicas.py \
+  tests/python/moe/test_layer_gpu.py tests/python/ops/test_cuda_ops_lrmoe.py \
+  tests/python/ops/test_cuda_ops_movement.py} > "$out/gpu_tests.txt" 2>&1
 log "gpu tests rc $? ($(grep -E 'passed|failed' "$out/gpu_tests.txt" | tail -1))"
 
 timeout "${CAP_CALIBRATE:-240}" "$py" -m torch.distributed.run --nproc-per-node 1 \

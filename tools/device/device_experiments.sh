@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The experiment grid of one GPU session (docs/experiments.md), most needed first, each
+# The experiment grid of one GPU session (docs/journal/experiments.md), most needed first, each
 # step under its own time cap so that a session cut short keeps every finished cell:
 #   1. the CUDA build (setup.py build_ext --inplace, LRMOE_CUDA=1);
 #   2. the CUDA-graph checks the last session could not re-run (test_layer_gpu.py -k
@@ -17,7 +17,7 @@
 #      a difference of hundredths of a percent), then random at c = 0.3, then the rest;
 #   5. the from-scratch grid (experiments/full_grid.py, 300 steps, seeds 0 1 2), which
 #      skips the cells given in GRID_FROM (a results tarball unpacked first).
-# Usage: bash scripts/device_experiments.sh OUTDIR
+# Usage: bash tools/device/device_experiments.sh OUTDIR
 # One device call allows 600 s: the script stops starting work at BUDGET seconds (540)
 # and keeps its runs in WORK (/tmp/lrmoe-device), so the same command in the next call
 # continues them where the machine is still warm (the runners skip finished cells and
@@ -37,10 +37,10 @@
 # start-up and evaluation), GRID_FROM (default
 # experiments/results/gpu-small-300-steps.tar.gz).
 set -uo pipefail
-out_arg="${1:?usage: scripts/device_experiments.sh OUTDIR}"
+out_arg="${1:?usage: tools/device/device_experiments.sh OUTDIR}"
 : "${LRMOE_GCIDE_DIR:?set LRMOE_GCIDE_DIR to the dict-gcide files (carry them)}"
 : "${SFT_DATA_GZ:?set SFT_DATA_GZ to wordnet_alpaca.jsonl.gz (carry it)}"
-# shellcheck source=scripts/device_common.sh
+# shellcheck source=tools/device/device_common.sh
 source "$(dirname "$0")/device_common.sh"
 device_setup "$out_arg" "${WORK:-/tmp/lrmoe-device}"
 seeds="${SFT_SEEDS:-1 2}"
@@ -64,7 +64,7 @@ device_build
 
 if [[ "${SKIP_CHECKS:-0}" != 1 ]]; then
   timeout "$(left "${CAP_TESTS:-40}")" "$py" -m pytest -q -ra -p no:cacheprovider -m gpu \
-    tests/python/test_layer_gpu.py -k graph > "$out/gpu_tests.txt" 2>&1
+    tests/python/moe/test_layer_gpu.py -k graph > "$out/gpu_tests.txt" 2>&1
   log "graph tests rc $? ($(grep -E 'passed|failed' "$out/gpu_tests.txt" | tail -1))"
   timeout "$(left "${CAP_BENCH:-90}")" "$py" -m lrmoe bench layer --shapes qwen3-30b-a3b \
     --tokens 32768 --routing skewed --rates 0 0.2 0.3 --methods lrmoe --cuda-graph --iters 8 \

@@ -8,7 +8,7 @@
 device_setup() {
   out="$1"
   work="$2"
-  cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+  cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
   mkdir -p "$out" "$work"
   out="$(cd "$out" && pwd)"
   py="${PYTHON:-python3}"
