@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Dict
 
@@ -101,12 +102,20 @@ def point_rest(point: dict, backward: bool) -> float:
 
 
 def load_costs(path: str) -> dict:
-    """Read and check a cost file written by :func:`calibrate`.
+    """Read and check a cost file written by :func:`lrmoe.bench.calibrate.calibrate`.
+
+    Every number the simulator reads is checked, so a corrupt file (negated, NaN or
+    infinite times, a bandwidth below zero, a shape of zero experts) stops here instead of
+    giving confident figures: dims positive ints (``shared`` >= 0), point sizes positive
+    ints, every time (``fwd_ms``, ``bwd_ms``, ``phases_ms``, ``per_row_ms``, the EP points'
+    times) a finite number >= 0 (``fwd_ms``/``bwd_ms`` may be null: not measured), every
+    bandwidth a finite number >= 0 or null (0 or null: not measured).
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        ValueError: not a ``lrmoe-costs/1`` file, or a shape without points (naming the
-            file and the fix: run ``lrmoe calibrate``).
+        ValueError: not a ``lrmoe-costs/1`` file, a shape without points, or a value out
+            of range, naming the file, the key (``shapes.NAME.points[3].fwd_ms``) and the
+            fix (rerun ``lrmoe calibrate``).
     """
     p = Path(path)
     if not p.is_file():
@@ -120,8 +129,68 @@ def load_costs(path: str) -> dict:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"{path}: not a cost file ({FORMAT!r}); write one with "
                          "`lrmoe calibrate --out FILE.json`")
-    for name, s in data.get("shapes", {}).items():
+    _check_costs(data, str(path))
+    return data
+
+
+_DIMS = ("hidden", "inter", "experts", "top_k")
+_POINT_SIZES = ("experts", "rows_per_expert")
+_POINT_COUNTS = ("tokens", "pairs")
+
+
+def _check_costs(data: dict, path: str) -> None:
+    """Raise ValueError naming ``path`` and the key of the first value out of range."""
+    def bad(key: str, value, want: str):
+        return ValueError(f"{path}: {key} is {value!r}; {want} (a corrupt or hand-edited cost "
+                          "file? rerun `lrmoe calibrate --out FILE.json`)")
+
+    def mapping(key: str, value) -> dict:
+        if not isinstance(value, dict):
+            raise bad(key, value, "it must be a mapping")
+        return value
+
+    def time_ms(key: str, value, nullable: bool = False) -> None:
+        if value is None and nullable:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or value < 0:
+            raise bad(key, value, "a time must be a finite number >= 0 ms"
+                      + (" or null" if nullable else ""))
+
+    def count(key: str, value, low: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise bad(key, value, f"it must be an int >= {low}")
+
+    for k, v in mapping("bandwidth", data.get("bandwidth", {})).items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or not math.isfinite(v) or v < 0):
+            raise bad(f"bandwidth.{k}", v, "a bandwidth must be a finite number >= 0 or null")
+    for name, s in mapping("shapes", data.get("shapes", {})).items():
+        where = f"shapes.{name}"
+        s = mapping(where, s)
         if not s.get("points"):
             raise ValueError(f"{path}: shape {name} has no measured points; rerun "
                              "`lrmoe calibrate`")
-    return data
+        dims = mapping(f"{where}.dims", s.get("dims"))
+        for k in _DIMS:
+            count(f"{where}.dims.{k}", dims.get(k), 1)
+        count(f"{where}.dims.shared", dims.get("shared", 0), 0)
+        for kind in ("points", "ep_points"):
+            points = s.get(kind, [])
+            if not isinstance(points, list):
+                raise bad(f"{where}.{kind}", points, "it must be a list of points")
+            for i, pt in enumerate(points):
+                at = f"{where}.{kind}[{i}]"
+                pt = mapping(at, pt)
+                for k in _POINT_SIZES:
+                    count(f"{at}.{k}", pt.get(k), 1)
+                for k in _POINT_COUNTS:
+                    if k in pt:
+                        count(f"{at}.{k}", pt[k], 0)
+                for k, v in pt.items():
+                    if k.endswith("_ms") and k != "phases_ms":
+                        time_ms(f"{at}.{k}", v, nullable=k in ("fwd_ms", "bwd_ms"))
+                for k, v in mapping(f"{at}.phases_ms", pt.get("phases_ms", {})).items():
+                    time_ms(f"{at}.phases_ms.{k}", v)
+        for k, v in mapping(f"{where}.per_row_ms", s.get("per_row_ms", {})).items():
+            time_ms(f"{where}.per_row_ms.{k}", v)

@@ -9,10 +9,12 @@ for the bytes, hand-computed steps to loss for Table 1.
 from __future__ import annotations
 
 import json
-
-import numpy as np
+import re
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -349,3 +351,59 @@ def test_validate_ep_simulates_every_ranks_routing_and_its_policy(tmp_path):
     with pytest.raises(ValueError, match="no LRMoE record at a shape"):
         (tmp_path / "s.json").write_text(json.dumps({"records": [dict(recs[0], shape="smoke")]}))
         V.validate(str(tmp_path / "s.json"), str(costs), links)
+
+
+def _corrupted(path, change):
+    """The real H200 cost file with every number passed through ``change``."""
+    def walk(v):
+        if isinstance(v, dict):
+            return {k: walk(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        if isinstance(v, float):
+            return change(v)
+        return v
+    real = json.loads((Path(__file__).resolve().parents[3] / "configs" / "costs" /
+                       "h200.json").read_text())
+    data = dict(real, shapes=walk(real["shapes"]), bandwidth=walk(real["bandwidth"]))
+    path.write_text(json.dumps(data))  # json writes NaN / Infinity as Python reads them
+    return path
+
+
+@pytest.mark.parametrize("change, key", [
+    (lambda v: -v, r"bandwidth\.copy_GBps is -4165"),
+    (lambda v: float("nan"), r"bandwidth\.copy_GBps is nan"),
+    (lambda v: float("inf"), r"bandwidth\.copy_GBps is inf")])
+def test_sim_refuses_a_corrupt_cost_file_naming_file_and_key(tmp_path, change, key):
+    """Issue 26.2: a cost file with every number negated, NaN or infinite ran to exit 0
+    with confident figures; now the command fails with one line naming the file and key."""
+    bad = _corrupted(tmp_path / "bad.json", change)
+    r = subprocess.run([sys.executable, "-m", "lrmoe", "sim", "--costs", str(bad), "--gpus",
+                        "8", "--steps", "2", "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert re.search(rf"^lrmoe sim: error: {re.escape(str(bad))}: {key}", r.stderr, re.M), r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "out" / "sim.json").exists()
+
+
+@pytest.mark.parametrize("where, value, key", [
+    (("shapes", "gpu-small", "points", 1, "fwd_ms"), -1.0, r"shapes\.gpu-small\.points\[1\]\.fwd_ms is -1\.0"),
+    (("shapes", "gpu-small", "points", 0, "phases_ms", "score"), float("nan"),
+     r"shapes\.gpu-small\.points\[0\]\.phases_ms\.score is nan"),
+    (("shapes", "gpu-small", "points", 0, "rows_per_expert"), 0, r"points\[0\]\.rows_per_expert is 0"),
+    (("shapes", "gpu-small", "per_row_ms", "bwd_rest"), "fast", r"per_row_ms\.bwd_rest is 'fast'"),
+    (("shapes", "gpu-small", "dims", "experts"), 2.5, r"dims\.experts is 2\.5"),
+    (("bandwidth", "h2d_GBps"), -3.0, r"bandwidth\.h2d_GBps is -3\.0")])
+def test_cost_file_values_out_of_range_are_named(tmp_path, where, value, key):
+    path = _hand_cost_file(tmp_path / "c.json")
+    data = json.loads(path.read_text())
+    node = data
+    for k in where[:-1]:
+        node = node[k]
+    node[where[-1]] = value
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: .*{key}"):
+        load_costs(str(path))
+    # the file as written by hand (no corruption) reads, so the check is on the value
+    load_costs(str(_hand_cost_file(tmp_path / "good.json")))
