@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lrmoe.planner.plan import DEFAULT_BALANCE_SLACK, POLICIES
+from lrmoe.planner.plan import DEFAULT_BALANCE_SLACK, POLICIES, parse_bytes
 
 #: the budget when none is given: no memory limit (the plan then only balances)
 UNLIMITED_BUDGET = 1 << 62
@@ -92,18 +92,13 @@ def placement_from_config(parallel: Any, resident_bytes: int = 0) -> Optional[Pl
     Raises:
         ValueError: an invalid value, naming the ``parallel.*`` field.
     """
-    from lrmoe.planner.plan import parse_bytes
-
     if parallel.policy is None:
         return None
     if parallel.policy not in POLICIES:
         raise ValueError(f"parallel.policy must be one of {', '.join(POLICIES)}; got "
                          f"{parallel.policy!r}")
-    budget = parallel.memory_budget
-    try:
-        budget = None if budget is None else parse_bytes(budget)
-    except ValueError as err:
-        raise ValueError(f"parallel.memory_budget: {err}") from None
+    budget = (None if parallel.memory_budget is None
+              else parse_bytes(parallel.memory_budget, "parallel.memory_budget"))
     resident = parallel.resident_bytes
     try:
         return Placement(parallel.policy, budget,

@@ -78,22 +78,37 @@ class MemoryModel:
                 self.resident_bytes]
 
 
-def parse_bytes(text: str) -> int:
+#: the largest byte count the planner takes (its int64 sums of per-rank bytes must not
+#: overflow); 4 EiB, far above any device
+MAX_BYTES = 1 << 62
+
+
+def parse_bytes(text: str, name: str = "size") -> int:
     """``"80GiB"``, ``"512MiB"``, ``"1.5e9"`` -> bytes (int).
 
+    Args:
+        text: a number with an optional B/KiB/MiB/GiB/TiB (or KB/MB/GB/TB) unit.
+        name: what the value is (a flag such as ``--budget``), for the messages.
+
     Raises:
-        ValueError: not a number with an optional B/KiB/MiB/GiB/TiB (or KB/MB/GB/TB) unit.
+        ValueError: not such a number, or more than :data:`MAX_BYTES` (``1e30``,
+            ``1e400``), naming ``name``.
     """
     m = re.fullmatch(r"\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[0-9]+)?)\s*([KMGT]i?B|B)?\s*",
                      str(text), re.I)
     if not m:
-        raise ValueError(f"cannot read {text!r} as a size; write e.g. 80GiB, 512MiB or 1e9")
+        raise ValueError(f"{name}: cannot read {text!r} as a size; write e.g. 80GiB, 512MiB "
+                         "or 1e9")
     unit = (m.group(2) or "B").upper()
     scale = {"B": 1}
     for k, p in zip("KMGT", range(1, 5)):
         scale[f"{k}IB"] = 1024 ** p
         scale[f"{k}B"] = 1000 ** p
-    return int(float(m.group(1)) * scale[unit])
+    value = float(m.group(1)) * scale[unit]
+    if not value <= MAX_BYTES:  # also inf (1e400)
+        raise ValueError(f"{name}: {text!r} is more than 2^62 bytes (4 EiB), the largest size "
+                         "the planner takes; write e.g. 80GiB")
+    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)

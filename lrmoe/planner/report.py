@@ -85,6 +85,12 @@ def _loads(args: argparse.Namespace, shape: ModelShape):
         raise ValueError(f"--tokens-per-rank must be >= 1, got {args.tokens_per_rank}")
     if W < 1:
         raise ValueError(f"--ep must be >= 1, got {W}")
+    if args.loads != "trace":
+        # a trace flag without --loads trace would be ignored without a word
+        for flag, value in (("--record", args.record), ("--trace", args.trace)):
+            if value is not None:
+                raise ValueError(f"{flag} reads a routing trace: it needs --loads trace "
+                                 f"(the loads are {args.loads} now)")
     if args.loads == "trace":
         if not args.trace:
             raise ValueError("--loads trace needs --trace PATH (record one with `lrmoe train "
@@ -225,8 +231,9 @@ def run_plan(args: argparse.Namespace) -> int:
         ValueError: bad arguments or input (the message names the option).
     """
     shape = MODELS[args.model]
-    memory = P.MemoryModel.from_shape(shape, P.parse_bytes(args.budget),
-                                      P.parse_bytes(args.resident), args.optimizer == "device")
+    memory = P.MemoryModel.from_shape(shape, P.parse_bytes(args.budget, "--budget"),
+                                      P.parse_bytes(args.resident, "--resident"),
+                                      args.optimizer == "device")
     load_WE, prev_E, what = _loads(args, shape)
     policies = P.POLICIES if args.policy == "all" else (args.policy,)
     rows = []

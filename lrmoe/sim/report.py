@@ -32,7 +32,7 @@ from lrmoe.workload.loads import cluster_loads
 from lrmoe.utils.paths import check_output
 from lrmoe.workload.shapes import MODELS
 from lrmoe.sim.validate import read_bench, validate
-from lrmoe.planner.plan import DEFAULT_BALANCE_SLACK, GiB, POLICIES
+from lrmoe.planner.plan import DEFAULT_BALANCE_SLACK, MAX_BYTES, GiB, POLICIES
 
 LABELS = {"fixed": "Megatron-LM (fixed)", "ultraep": "UltraEP", "symi": "SYMI",
           "lrmoe": "LRMoE"}
@@ -131,6 +131,10 @@ def run_sim(args) -> dict:
                         ("--resident-gib", args.resident_gib, 0)):
         if v is not None and not v >= lo:
             raise ValueError(f"{flag} must be >= {lo}, got {v}")
+    for flag, gib in (("--budget-gib", args.budget_gib), ("--resident-gib", args.resident_gib)):
+        if not gib * GiB <= MAX_BYTES:  # the planner's int64 bytes (also inf)
+            raise ValueError(f"{flag} {gib:g} is more than 2^32 GiB, the largest size the "
+                             "planner takes; write e.g. 80")
     if not args.skew >= 1:
         raise ValueError(f"--skew is the max/mean expert load per layer, >= 1 (1: uniform), "
                          f"got {args.skew}")
@@ -149,9 +153,15 @@ def run_sim(args) -> dict:
             raise FileNotFoundError(f"{flag} {f}: no such file")
         if f is not None and flag != "--trace":
             try:
-                json.loads(Path(f).read_text())
+                runs = json.loads(Path(f).read_text())
             except (json.JSONDecodeError, UnicodeDecodeError) as err:
                 raise ValueError(f"{flag} {f}: not a JSON file ({err})") from None
+            if isinstance(runs, dict):
+                runs = runs.get("cells", [])
+            if not isinstance(runs, list) or not runs:
+                raise ValueError(f"{flag} {f}: no runs in the file (the results.json an "
+                                 "experiments/ grid writes: a list of cells or {\"cells\": "
+                                 "[...]}); Table 1 needs them")
     check_output("--out", args.out, is_dir=True)
     shape = MODELS[args.model]
     if args.gpus > shape.num_experts or shape.num_experts % args.gpus:

@@ -303,11 +303,15 @@ class ParallelConfig:
     def validate(self) -> None:
         """Raises ValueError naming the ``parallel.*`` field on an invalid value."""
         from lrmoe.parallel.placement import placement_from_config
+        from lrmoe.planner.plan import POLICIES
 
         _int("parallel.ep_size", self.ep_size, 1)
         _int("parallel.dp_size", self.dp_size, 1)
         _int("parallel.resident_bytes", self.resident_bytes, 0, optional=True)
         _int("parallel.replica_slots", self.replica_slots, 0)
+        if self.policy is not None and self.policy not in POLICIES:  # the name before its needs
+            raise ValueError(f"parallel.policy must be one of {', '.join(POLICIES)}; got "
+                             f"{self.policy!r}")
         if self.policy is not None and self.ep_size < 2:
             raise ValueError(f"parallel.policy={self.policy} places experts over ranks; it "
                              f"needs parallel.ep_size >= 2 (--ep N), got {self.ep_size}")

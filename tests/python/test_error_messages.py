@@ -206,6 +206,9 @@ def test_sim_refuses_a_trace_that_is_not_one_and_a_rate_out_of_range(tmp_path, c
     ("--skew", "0.5", "--skew is the max/mean expert load"),
     ("--pressure", "0", r"--pressure multipliers must be > 0"),
     ("--scale", "12", r"--scale 12: a cluster size must divide E=128"),
+    # issue 26: an OverflowError traceback before
+    ("--budget-gib", "1e308", r"--budget-gib 1e\+308 is more than 2\^32 GiB"),
+    ("--resident-gib", "inf", r"--resident-gib inf is more than 2\^32 GiB"),
 ])
 def test_sim_size_flags_are_named(tmp_path, capsys, flag, value, match):
     costs = Path(__file__).resolve().parents[2] / "configs/costs/h200-from-performance-md.json"
@@ -213,6 +216,41 @@ def test_sim_size_flags_are_named(tmp_path, capsys, flag, value, match):
                   "--layers", "1", "--pressure", "--policies", "fixed", flag, value],
                  capsys, match)
     assert not (tmp_path / "o").exists()
+
+
+def test_sim_results_without_runs_is_named(tmp_path, capsys):
+    """Issue 26: ``--results`` of a file with no runs said nothing (Table 1 came out
+    empty)."""
+    costs = Path(__file__).resolve().parents[2] / "configs/costs/h200-from-performance-md.json"
+    for name, text in (("empty.json", "[]"), ("nocells.json", '{"cells": []}')):
+        (tmp_path / name).write_text(text)
+        _usage_error(["sim", "--costs", str(costs), "--out", str(tmp_path / "o"), "--steps",
+                      "1", "--results", str(tmp_path / name), "--targets", "4.0"], capsys,
+                     rf"--results .*{name}: no runs in the file")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--budget", "1e30"], r"--budget: '1e30' is more than 2\^62 bytes"),  # a pybind cast error
+    (["--budget", "1e400"], r"--budget: '1e400' is more than 2\^62 bytes"),  # OverflowError
+    (["--resident", "9e18GiB"], r"--resident: '9e18GiB' is more than 2\^62 bytes"),
+    (["--budget", "80 GiBs"], r"--budget: cannot read '80 GiBs' as a size"),
+    (["--record", "5"], r"--record reads a routing trace: it needs --loads trace"),  # ignored
+    (["--trace", "t.npz"], r"--trace reads a routing trace: it needs --loads trace"),
+])
+def test_plan_flags_are_named(capsys, argv, match):
+    _usage_error(["plan", *argv], capsys, match)
+
+
+def test_a_misspelled_policy_is_named_before_its_needs():
+    """Issue 26: ``--policy symy`` without ``--ep`` was reported as needing ep_size >= 2."""
+    from lrmoe.training.config import ParallelConfig
+
+    with pytest.raises(ValueError, match=r"parallel\.policy must be one of fixed, ultraep, "
+                                         r"symi, lrmoe; got 'symy'"):
+        ParallelConfig(policy="symy").validate()
+    with pytest.raises(ValueError, match=r"needs parallel\.ep_size >= 2"):
+        ParallelConfig(policy="symi").validate()
 
 
 def test_train_record_trace_into_a_folder_fails_before_training(tmp_path, capsys):
