@@ -109,6 +109,7 @@ def _release(method, device: torch.device) -> None:
     if method.layer is not None:  # its last step's tensors would pin a graph's pool
         st = method.layer.stats
         st.tokens_per_expert_E = st.quota_E = st.retained_mass = st.kept_pair_R = None
+        st.kept_scale_R = None
         # the last forward's aux_loss and router_logits hold its autograd graph, and with
         # it the router weight's AccumulateGrad node made on the stream of the eager
         # steps; each later forward reuses that node, so a capture's backward would

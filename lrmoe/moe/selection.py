@@ -117,7 +117,8 @@ def select_pairs(cfg: LRMoEConfig, stats: BackwardStats, g_TH: Tensor, weights_T
                  offsets_E: Tensor, quotas: Quotas) -> KeptPairs:
     """The backward's selection preamble: router gradient, score, quota, select, scale.
 
-    Writes ``stats.quota_E``, ``retained_mass``, ``num_retained``, ``kept_pair_R`` and
+    Writes ``stats.quota_E``, ``retained_mass``, ``num_retained``, ``kept_pair_R``,
+    ``kept_scale_R`` and
     advances ``stats.backward_steps`` (whose value offsets the seed of ``random`` and
     ``importance``: seed = ``(cfg.seed + backward_steps) mod 2**63``).
 
@@ -154,11 +155,12 @@ def select_pairs(cfg: LRMoEConfig, stats: BackwardStats, g_TH: Tensor, weights_T
         quota_E, _, num_retained = quotas(None)
         kept_rows_R, kept_pair_R, pair_kept_P, kept_offsets_E = (None, row_pair_P,
                                                                  pair_row_P, offsets_E)
-        mass = None
+        mass = kept_scale_R = None
         with phase("compact"):
             scale_R = alpha_P.index_select(0, row_pair_P)
     stats.quota_E, stats.retained_mass = quota_E, mass
     stats.num_retained, stats.kept_pair_R = num_retained, kept_pair_R
+    stats.kept_scale_R = kept_scale_R
     stats.backward_steps += 1
     return KeptPairs(grad_weights_TK, kept_rows_R, kept_pair_R, pair_kept_P, kept_offsets_E,
                      scale_R, num_retained)

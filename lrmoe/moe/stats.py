@@ -37,6 +37,10 @@ class BackwardStats:
         buffers: name -> shape of the backward's expert buffers (all sized by R).
         buffer_bytes: bytes of those buffers.
         kept_pair_R: (R,) int32 pair ids (t*K + k) whose expert backward ran (backward).
+        kept_scale_R: (R,) float32 the scale each kept pair's expert gradient carries
+            beside its routing weight: 1 under ``topk``, 1/p (the inverse inclusion
+            probability) under ``importance``; None when selection is off (every scale
+            1). With ``kept_pair_R`` it lets a caller check an expert gradient at c > 0.
         backward_steps: number of backwards run so far (also offsets the seed).
         a2a_bytes: expert parallel only (``lrmoe.parallel``): bytes this rank passed to
             each all-to-all (``forward_dispatch``, ``forward_combine`` incl. the fp32
@@ -53,6 +57,7 @@ class BackwardStats:
     buffer_bytes: int = 0
     backward_steps: int = 0
     kept_pair_R: Optional[Tensor] = None
+    kept_scale_R: Optional[Tensor] = None
     buffers: Dict[str, tuple] = field(default_factory=dict)
     #: expert parallel only: bytes this rank handed to each all-to-all of the last step
     a2a_bytes: Dict[str, int] = field(default_factory=dict)

@@ -188,6 +188,31 @@ def test_importance_selection_is_unbiased():
     assert float(((topk - exact) ** 2).sum() / noise) > 10 * ratio
 
 
+def test_importance_scales_are_exposed_and_give_the_expert_gradient():
+    """Issue 26: with the default selection the 1/p scales were not exposed, so nobody could
+    check an expert gradient at c > 0. dW_down[e] = sum over the kept pairs (t, k) of e of
+    scale * alpha_tk * g_t phi_tk^T, in float64 from the reference's phi."""
+    case = make_case(40, 8, 8, 4, 2, seed=5, skew=1.0)
+    got = run_lrmoe(case, cfg_for(case, recalibration_rate=0.5, selection="importance",
+                                  seed=3))
+    st = got["stats"]
+    pairs, scales = st.kept_pair_R.long(), st.kept_scale_R.double()
+    assert pairs.numel() == st.num_retained == 40 and scales.shape == pairs.shape
+    assert bool((scales > 1.0).any()), "importance sampling rescales some pairs by 1/p > 1"
+    phi = run_reference(case)["phi"]  # (T*K, I) in pair order
+    T, K = case["ids"].shape
+    ref = torch.zeros_like(case["w_d"])
+    for p, s in zip(pairs.tolist(), scales.tolist()):
+        t, k = divmod(p, K)
+        e = int(case["ids"][t, k])
+        ref[e] += s * case["weights"][t, k] * torch.outer(case["grad"][t], phi[p])
+    assert rel_err(got["w_d"], ref) < FP32_TOL
+    topk = run_lrmoe(case, cfg_for(case, recalibration_rate=0.5))["stats"]
+    assert torch.equal(topk.kept_scale_R, torch.ones(40))  # top-k keeps every scale at 1
+    exact = run_lrmoe(case, cfg_for(case, selective_backward=False))["stats"]
+    assert exact.kept_scale_R is None
+
+
 # --------------------------------------------------------------------------- edge cases
 @pytest.mark.parametrize("ids_kind", ["zero_token_expert", "all_to_one", "one_token",
                                       "topk_equals_E"])
