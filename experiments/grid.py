@@ -22,10 +22,12 @@ file ``<root>/results.json`` that the recipes analyse and plot.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -147,6 +149,24 @@ def _keep_previous(run_dir: Path, root: Path) -> None:
         os.replace(f, keep / f.name)
 
 
+@contextlib.contextmanager
+def _ctrl_c_raises():
+    """A SIGINT raises KeyboardInterrupt in the runner even where SIGINT was ignored when
+    it started. Python installs its handler only over SIGINT's default, and a shell starts
+    a background job (``cmd &`` in a script) with SIGINT ignored: its cells (``lrmoe
+    train`` installs its own handler) then saved and stopped on a Ctrl-C while the runner
+    read their exits as normal ends ("no cell finished", exit 1 instead of 130;
+    tests/python/experiments/test_experiments.py). The old disposition comes back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def _run(cmd: List[str], log_path: Path, prefix: str = "",
          procs: Optional[Dict[int, subprocess.Popen]] = None) -> int:
     """Run ``cmd``, its output appended to ``log_path`` and echoed (each line after
@@ -250,6 +270,14 @@ def run_grid(cells: Sequence[Cell], root: str | os.PathLike, base_args: Sequence
             f"checkpoint to continue from (e.g. {short[0]}: {n} steps); starting them over "
             f"would replace their results. Use --steps {n} to analyse them, or another "
             "--out for the longer runs")
+    with _ctrl_c_raises():
+        return _run_cells(cells, todo, root, base_args, steps, python, prune_checkpoints,
+                          jobs, status)
+
+
+def _run_cells(cells, todo, root, base_args, steps, python, prune_checkpoints, jobs,
+               status) -> Dict[str, str]:
+    """The cells of :func:`run_grid` that have to run (``todo``), one or ``jobs`` at a time."""
     procs: Dict[int, subprocess.Popen] = {}
 
     def one(i: int, cell: Cell, state: str) -> None:

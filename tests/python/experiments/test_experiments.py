@@ -261,15 +261,24 @@ def test_recipe_tables_leave_out_cells_that_did_not_finish(tmp_path, monkeypatch
     assert (root / "report.md").read_text().endswith("run them): b, c, d\n")
 
 
-def test_ctrl_c_of_a_terminal_keeps_the_running_cells_checkpoint(tmp_path):
+@pytest.mark.parametrize("sigint_ignored_at_start", [False, True])
+def test_ctrl_c_of_a_terminal_keeps_the_running_cells_checkpoint(tmp_path,
+                                                                 sigint_ignored_at_start):
     """A terminal's Ctrl-C reaches the runner and its child `lrmoe train` (one process
     group), and the runner passes it on as well: the cell still saves, the log keeps the
     child's last lines, and the recipe exits 130 with one line instead of a traceback. (Two
     SIGINTs often coalesce in the child; that the trainer counts them as one when they do
-    not is test_train.py::test_sigint_saves_and_resume_continues.)"""
+    not is test_train.py::test_sigint_saves_and_resume_continues.)
+
+    Also when the runner starts with SIGINT ignored, as a shell's background job does
+    (``bash scripts/test.sh &``): this test failed so ("no cell finished", exit 1), since
+    Python installs its SIGINT handler only over the default (issue 26)."""
     import signal
     import subprocess
     import time
+
+    def ignore_sigint():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     text = tmp_path / "text.txt"
     text.write_text((ROOT / "docs" / "algorithm.md").read_text())
@@ -284,7 +293,8 @@ def test_ctrl_c_of_a_terminal_keeps_the_running_cells_checkpoint(tmp_path):
            *[x for s in micro for x in ("--set", s)]]
     env = dict(os.environ, LRMOE_CACHE_DIR=str(tmp_path / "cache"))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=env)  # its own group: our "terminal"
+                            start_new_session=True, env=env,  # its own group: our "terminal"
+                            preexec_fn=ignore_sigint if sigint_ignored_at_start else None)
     metrics = out / "c0-s0" / "metrics.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None and \
