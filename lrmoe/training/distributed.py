@@ -95,25 +95,48 @@ def rank0_first(group: Any, rank: int, fn: Callable[[], T], what: str) -> T:
     """
     if group is None:
         return fn()
-    import torch.distributed as dist
-
-    def agree(ok: bool) -> bool:
-        flag = torch.tensor([0.0 if ok else 1.0], device=_comm_device())
-        dist.all_reduce(flag, group=group)
-        return float(flag) == 0.0
-
     if rank == 0:
         try:
             value = fn()
         except BaseException:
-            agree(False)
+            _agree(group, False)
             raise
-        agree(True)
+        _agree(group, True)
         return value
-    if not agree(True):
+    if not _agree(group, True):
         raise RuntimeError(f"rank 0 failed while {what} (its message is above); rank {rank} "
                            "stops too")
     return fn()
+
+
+def on_every_rank(group: Any, rank: int, fn: Callable[[], T], what: str) -> T:
+    """Run ``fn`` on every rank at once; when it fails on some rank, every rank raises
+    (instead of the others waiting in their next collective until the timeout).
+
+    Raises:
+        whatever ``fn`` raises on a rank where it failed; RuntimeError on the ranks where
+        it succeeded while another failed.
+    """
+    if group is None:
+        return fn()
+    try:
+        value = fn()
+    except BaseException:
+        _agree(group, False)
+        raise
+    if not _agree(group, True):
+        raise RuntimeError(f"another rank failed while {what} (its message is above); rank "
+                           f"{rank} stops too")
+    return value
+
+
+def _agree(group: Any, ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank of ``group`` (one all-reduce)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([0.0 if ok else 1.0], device=_comm_device())
+    dist.all_reduce(flag, group=group)
+    return float(flag) == 0.0
 
 
 def _comm_device() -> torch.device:
