@@ -39,8 +39,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lrmoe.parallel.data_parallel import allreduce_non_expert_grads, clip_grad_norm_
-from lrmoe.parallel.placement import (Placement, measured_resident_bytes,
-                                      placement_from_config)
+from lrmoe.parallel.placement import measured_resident_bytes, placement_from_config
 from lrmoe.parallel.replicas import ReplicaState
 
 __all__ = ["PlacementHooks", "placement_from_config", "placement_metrics",
