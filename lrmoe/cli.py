@@ -20,6 +20,7 @@ EXIT_INTERRUPTED = 130
 def _add_train_parser(sub: Any) -> None:
     from lrmoe.moe.offload import OFFLOAD_MODES
     from lrmoe.ops import METRICS, QUOTA_RULES, SELECTIONS
+    from lrmoe.planner.plan import POLICIES
     from lrmoe.training.train import PRESETS
 
     p = sub.add_parser(
@@ -64,7 +65,7 @@ def _add_train_parser(sub: Any) -> None:
     p.add_argument("--ep", type=int, metavar="N", dest="ep_size",
                    help="expert-parallel size; run under torchrun --nproc-per-node N "
                         "(config key parallel.ep_size)")
-    p.add_argument("--policy", choices=("fixed", "ultraep", "symi", "lrmoe"),
+    p.add_argument("--policy", choices=POLICIES,
                    help="placement of expert instances under --ep (replicas; "
                         "parallel.policy); default: fixed ownership without the planner")
     p.add_argument("--memory-budget", metavar="SIZE", dest="memory_budget",

@@ -2,11 +2,13 @@
 
 Legend: T tokens, H hidden size, E experts, K top_k, I expert intermediate size.
 
-:class:`MoECore` is what every LRMoE layer shares: expert sharding over the EP group and
-the config check across its ranks, the failure announcement before the dispatch, the call
-of the expert function (:class:`lrmoe.moe.experts.ExpertFunction` on one device,
-:class:`lrmoe.parallel.ExpertParallelFunction` under EP), the shared-expert add and the
-step's statistics. :class:`MoELayerBase` is the ``nn.Module`` face built on it (the
+:class:`MoECore` is what every LRMoE layer shares: its routes
+(:class:`lrmoe.parallel.routes.Routes`: :class:`~lrmoe.parallel.routes.LocalRoutes` runs
+:class:`lrmoe.moe.experts.ExpertFunction` on one device,
+:class:`~lrmoe.parallel.routes.EPRoutes` shards the experts over the EP group, checks the
+config across its ranks, announces a failure before the dispatch and runs
+:class:`lrmoe.parallel.ExpertParallelFunction`), the shared-expert add and the step's
+statistics. :class:`MoELayerBase` is the ``nn.Module`` face built on it (the
 forward's order of steps, ``aux_loss``, diagnostics); :class:`LRMoELayer` (own router
 and weights) and ``lrmoe.integrations.transformers.TransformersMoELayer`` (a transformers
 block's own modules) differ only in their parameters and their routing step.
@@ -23,27 +25,19 @@ from torch import Tensor, nn
 
 from lrmoe.moe.config import LRMoEConfig
 from lrmoe.moe.stats import BackwardStats
-from lrmoe.moe.experts import ExpertFunction
-from lrmoe.parallel import (ExpertParallelFunction, announce_failure,
-                            check_config_across_ranks, shard_experts)
-from lrmoe.parallel.placement import Placement
 from lrmoe.parallel.replicas import ReplicaState
+from lrmoe.parallel.routes import Routes, make_routes
 from lrmoe.moe.router import Router, Routing, router_losses
 from lrmoe.utils.phases import phase
 
 
-def _refuse_adaptive_rate(config: LRMoEConfig, where: str) -> None:
-    """ValueError when ``config`` asks for the adaptive rate under expert parallelism: the
-    EP plan fixes the quotas in the forward, before any score exists."""
-    if config.retained_mass_target > 0:
-        raise ValueError(f"{where}: retained_mass_target (the adaptive rate) runs on one "
-                         "device only: under expert parallelism the quotas are fixed in the "
-                         "forward, before any score exists; use a fixed recalibration_rate "
-                         "with --ep")
-
-
 class MoECore:
     """The part every LRMoE layer shares (held by composition, not an ``nn.Module``).
+
+    Where the routed pairs run is the core's :class:`lrmoe.parallel.routes.Routes`
+    (:func:`lrmoe.parallel.routes.make_routes`): one device, or expert parallelism over
+    ``ep_group`` (experts sharded, config checked across ranks); the core itself never
+    asks which.
 
     Args:
         config: the layer's :class:`LRMoEConfig` at construction.
@@ -61,26 +55,26 @@ class MoECore:
             or an invalid placement field.
 
     Attributes:
-        ep_group: as given. stats: :class:`BackwardStats` of the last step.
-        replicas: the :class:`lrmoe.parallel.replicas.ReplicaState` (None without a
-            policy); ``replicas.stats`` has the last call's plan and replica bytes.
+        routes: the :class:`lrmoe.parallel.routes.Routes`. stats: :class:`BackwardStats`
+            of the last step. ep_group, replicas: the routes' (the group as given; the
+            :class:`lrmoe.parallel.replicas.ReplicaState`, None without a policy, whose
+            ``stats`` has the last call's plan and replica bytes).
     """
 
     def __init__(self, config: LRMoEConfig, experts: nn.Module, ep_group=None,
                  where: str = "LRMoELayer", policy=None) -> None:
-        self.ep_group = ep_group
         self.stats = BackwardStats()
-        placement = Placement.coerce(policy)
-        if placement is not None and ep_group is None:
-            raise ValueError(f"{where}: policy={placement.policy!r} places expert instances "
-                             "over an expert-parallel group; pass ep_group too (or "
-                             "policy=None on one device)")
-        self.replicas = (None if placement is None
-                         else ReplicaState(placement, config, experts))
-        if ep_group is not None:
-            check_config_across_ranks(config, ep_group, placement)
-            _refuse_adaptive_rate(config, where)
-            shard_experts(experts, config.num_experts, ep_group, where)
+        self.routes: Routes = make_routes(config, experts, ep_group, policy, where)
+
+    @property
+    def ep_group(self):
+        """The expert-parallel process group, or None on one device."""
+        return self.routes.ep_group
+
+    @property
+    def replicas(self) -> Optional[ReplicaState]:
+        """The placement state under a policy, else None."""
+        return self.routes.replicas
 
     @contextlib.contextmanager
     def before_dispatch(self, config: LRMoEConfig) -> Iterator[None]:
@@ -90,8 +84,7 @@ class MoECore:
         try:
             yield
         except Exception:
-            if self.ep_group is not None:
-                announce_failure(config, self.ep_group, 0 if self.replicas is None else 1)
+            self.routes.announce_failure(config)
             raise
 
     def run_experts(self, config: LRMoEConfig, x_TH: Tensor, routing: Routing,
@@ -103,18 +96,10 @@ class MoECore:
             ValueError: ``retained_mass_target`` > 0 under EP (the adaptive rate is one
                 device only: EP fixes its quotas in the forward).
         """
-        if self.ep_group is not None:  # set_recalibration may have turned it on since
-            _refuse_adaptive_rate(config, "LRMoE layer")
         if config.offload != "none" and not torch.is_grad_enabled():
             config = config.replace(offload="none")  # no backward follows: keep nothing
-        if self.replicas is not None:
-            self.replicas.recording = torch.is_grad_enabled()
-        if self.ep_group is None:
-            return ExpertFunction.apply(x_TH, routing.weights_TK, routing.expert_ids_TK,
-                                        w_gate_up_E2IH, w_down_EHI, config, self.stats)
-        return ExpertParallelFunction.apply(x_TH, routing.weights_TK, routing.expert_ids_TK,
-                                            w_gate_up_E2IH, w_down_EHI, config, self.stats,
-                                            self.ep_group, self.replicas)
+        return self.routes.run(config, x_TH, routing, w_gate_up_E2IH, w_down_EHI,
+                               self.stats)
 
     @staticmethod
     def add_shared(out_TH: Tensor, x_TH: Tensor, shared: Optional[nn.Module],

@@ -14,13 +14,20 @@ Modules, in data-flow order:
   of one layer call, computed once from the exchanged counts;
 * :mod:`~lrmoe.parallel.dispatch` -- the exchanges: counts, dispatch, combine, gradient
   rows, dx;
+* :mod:`~lrmoe.parallel.placement` -- :class:`Placement`, a layer's placement settings
+  (policy, memory budget, slots) and their reading from ``lrmoe train``'s config;
 * :mod:`~lrmoe.parallel.replicas` -- placement policies executed: the planner's layout per
   call, replica weights fetched (``ultraep``, ``lrmoe``) or pushed after the optimizer
-  step (``symi``, :func:`push_replica_weights`), replica gradients summed into the owner,
-  the bytes moved;
+  step (``symi``), replica gradients summed into the owner, the bytes moved;
 * :mod:`~lrmoe.parallel.function` -- :class:`ExpertParallelFunction`, the autograd;
+* :mod:`~lrmoe.parallel.routes` -- :class:`Routes`, the one interface a layer runs its
+  experts through: :class:`LocalRoutes` (one device) or :class:`EPRoutes` (this package's
+  expert parallelism); where another backend plugs in;
 * :mod:`~lrmoe.parallel.data_parallel` -- expert sharding, the non-expert gradient
-  all-reduce, the global clip and per-rank checkpoints.
+  all-reduce, the global clip and per-rank checkpoints;
+* :mod:`~lrmoe.parallel.hooks` -- the training loop's one door: :class:`PlacementHooks`
+  (set-up, the replica push as an optimizer step hook, checkpoint state, metrics) and
+  the gradient sync before the step.
 
 Forward (exact, every pair):
   source: permute by global expert -> rows for rank d are contiguous -> all_gather the
@@ -49,7 +56,7 @@ side band), ``lrmoe.combine``; backward ``lrmoe.router_grad``, ``lrmoe.score``,
 ``lrmoe.a2a_grad`` (G rows + int32 positions), ``lrmoe.expert_gemm_bwd``, ``lrmoe.a2a_dx``,
 ``lrmoe.scatter``; with a placement policy also ``lrmoe.plan`` (the planner call),
 ``lrmoe.replica_fetch`` (forward), ``lrmoe.replica_grads`` (backward) and
-``lrmoe.replica_push`` (:func:`push_replica_weights`). Ranges add no host syncs.
+``lrmoe.replica_push`` (:meth:`PlacementHooks.push`). Ranges add no host syncs.
 
 All-to-all bytes (``stats.a2a_bytes``, per rank, for the last step): bytes this rank SENDS
 into each collective, counting the rows it sends to itself (a local copy on NCCL):
@@ -71,12 +78,14 @@ from lrmoe.parallel.group import (FAILED, announce_failure, check_config_across_
                                   init_torchrun_group, raise_on_mismatch)
 from lrmoe.parallel.plan import DispatchPlan, InstanceLayout, build_plan, source_shares
 from lrmoe.parallel.placement import Placement
-from lrmoe.parallel.replicas import ReplicaState, placement_metrics, push_replica_weights
+from lrmoe.parallel.replicas import ReplicaState
+from lrmoe.parallel.routes import EPRoutes, LocalRoutes, Routes, make_routes
+from lrmoe.parallel.hooks import PlacementHooks, placement_metrics, push_replica_weights
 
 __all__ = [
-    "EXPERT_PARAM_ATTR", "FAILED", "DispatchPlan", "ExpertParallelFunction",
-    "InstanceLayout", "Placement", "ReplicaState", "placement_metrics",
-    "push_replica_weights",
+    "EXPERT_PARAM_ATTR", "FAILED", "DispatchPlan", "EPRoutes", "ExpertParallelFunction",
+    "InstanceLayout", "LocalRoutes", "Placement", "PlacementHooks", "ReplicaState",
+    "Routes", "make_routes", "placement_metrics", "push_replica_weights",
     "allreduce_non_expert_grads", "announce_failure", "build_plan",
     "check_config_across_ranks", "clip_grad_norm_", "combine", "combine_dx", "comm_device",
     "config_hash", "config_summary", "dispatch", "dispatch_grads", "exchange_counts",

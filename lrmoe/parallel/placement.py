@@ -79,6 +79,14 @@ class Placement:
         raise TypeError(f"policy must be None, a policy name ({', '.join(POLICIES)}), a dict "
                         f"of Placement fields or a Placement; got {type(policy).__name__}")
 
+    @property
+    def pushes_copies(self) -> bool:
+        """Whether the policy keeps replica copies pushed after each optimizer step
+        (``symi``: its placement depends only on the previous steps' popularity, so the
+        copies can be sent before the forward that uses them) instead of fetching them
+        in the forward (``ultraep``, ``lrmoe``) or having none (``fixed``)."""
+        return self.policy == "symi"
+
     def summary(self) -> str:
         """The fields as text (for the cross-rank config check)."""
         return repr(dataclasses.astuple(self))

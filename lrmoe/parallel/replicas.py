@@ -13,11 +13,11 @@ policies and replicas"): after the counts exchange every rank calls :func:`lrmoe
 with the same (W, E) counts and settings (no collective) -> :meth:`ReplicaState.layout`
 turns the :class:`lrmoe.planner.plan.Plan` into an :class:`InstanceLayout` -> the dispatch plan
 follows it -> replica weights: ``ultraep`` and ``lrmoe`` fetch them from their owners in
-the forward (:func:`fetch_weights`, one all-to-all); ``symi`` reads the copies that
-:func:`push_replica_weights` sent after the last optimizer step (and fetches when they are
-stale) -> the expert core runs every local instance -> backward: replica gradients go
-back to the owner and are summed into its gradient (:func:`reduce_grads`), so the
-optimizer only ever sees (and updates) owner weights.
+the forward (:func:`exchange_weights`, one all-to-all); ``symi`` reads the copies that
+:meth:`lrmoe.parallel.hooks.PlacementHooks.push` sent after the last optimizer step
+(and fetches when they are stale) -> the expert core runs every local instance ->
+backward: replica gradients go back to the owner and are summed into its gradient
+(:func:`reduce_grads`), so the optimizer only ever sees (and updates) owner weights.
 """
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ class ReplicaStats:
         rows_forward_W, rows_backward_W: rows each rank computes in the forward and
             keeps in the backward under the plan.
         bytes: ``weights_fetched`` (replica weights this rank sent in the forward),
-            ``weights_pushed`` (sent by the last :func:`push_replica_weights`),
+            ``weights_pushed`` (sent by the last push,
+            :meth:`lrmoe.parallel.hooks.PlacementHooks.push`),
             ``grads_reduced`` (replica gradients this rank sent back to owners).
         splits: collective name -> (the input splits this rank passed, bytes per row):
             ``dispatch``, ``combine``, ``grad``, ``dx`` (token rows), ``replica_fetch``,
@@ -291,7 +292,7 @@ class ReplicaState:
         """``symi``: fix the next steps' placement from the loads since the last push and
         send the owners' current weights to their replica ranks (a collective). Returns
         the bytes this rank sent."""
-        if self.placement.policy != "symi":
+        if not self.placement.pushes_copies:
             return 0
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if self._loads_since_push is not None:
@@ -330,87 +331,6 @@ def exchange_weights(w_gate_up_L2IH: Tensor, w_down_LHI: Tensor, routes: WeightR
     got = all_to_all_rows(send, sum(routes.recv_splits), routes.send_splits, routes.recv_splits,
                     group)
     return got, send.shape[0] * flat.shape[1] * flat.element_size()
-
-
-def push_replica_weights(model: nn.Module) -> int:
-    """Call after ``optimizer.step()`` (and before the next forward): every ``symi`` EP
-    layer of ``model`` fixes its placement for the coming step from the loads it routed
-    since the last call and sends the updated owner weights to the ranks that will hold
-    replicas, so the next forwards move no weights. A no-op for other policies. A
-    collective over each layer's EP group (every rank calls it, in the same order).
-
-    Returns:
-        Bytes this rank sent (summed over the layers).
-    """
-    total = 0
-    for module in model.modules():
-        core = getattr(module, "core", None)
-        state = getattr(core, "replicas", None)
-        if isinstance(state, ReplicaState):
-            total += state.push(module.config, core.ep_group)
-    return total
-
-
-def _states(model_or_layers):
-    items = (model_or_layers.items() if isinstance(model_or_layers, dict)
-             else model_or_layers.named_modules())
-    for name, module in items:
-        state = getattr(getattr(module, "core", None), "replicas", None)
-        if isinstance(state, ReplicaState):
-            yield name, module, state
-
-
-def set_placement(model: nn.Module, placement: Placement) -> None:
-    """Give every EP layer of ``model`` with a policy the settings ``placement`` (the same
-    call on every rank, e.g. after measuring the resident bytes)."""
-    for _, module, state in _states(model):
-        state.set_placement(placement, module.config)
-
-
-def placement_state(layers: Dict[str, nn.Module]) -> Dict[str, Dict[str, object]]:
-    """What a checkpoint keeps of each layer's placement (``{name: {...}}``): symi's
-    popularity and the loads since the last push, so a resumed run plans as the straight
-    one. The pushed copies are not kept: the first forward after a resume fetches."""
-    return {name: {"popularity": state.popularity_E,
-                   "loads_since_push": state._loads_since_push}
-            for name, _, state in _states(layers)}
-
-
-def load_placement_state(layers: Dict[str, nn.Module], saved: Dict[str, Dict[str, object]]
-                         ) -> None:
-    """Restore :func:`placement_state` (layers missing from ``saved`` keep theirs)."""
-    for name, _, state in _states(layers):
-        if name in saved:
-            state.popularity_E = saved[name]["popularity"]
-            state._loads_since_push = saved[name]["loads_since_push"]
-
-
-def placement_metrics(model: nn.Module) -> Dict[str, object]:
-    """Model-level replica numbers of the last step for metrics.jsonl (empty without a
-    placement policy): ``replicas`` (summed over layers), the three
-    ``rank_load_max_over_mean_*`` (means over layers), the ``replica_bytes_*`` this rank
-    sent (sums over layers) and ``plan_feasible`` (all layers)."""
-    rows = []
-    for module in model.modules():
-        state = getattr(getattr(module, "core", None), "replicas", None)
-        if isinstance(state, ReplicaState):
-            rows.append(state.stats.summary())
-    if not rows:
-        return {}
-
-    def mean(key):
-        vals = [r[key] for r in rows if r[key] is not None]
-        return sum(vals) / len(vals) if vals else None
-
-    out: Dict[str, object] = {"placement_policy": rows[0]["placement_policy"],
-                              "replicas": sum(r["replicas"] for r in rows),
-                              "plan_feasible": all(r["plan_feasible"] for r in rows)}
-    for key in ("rank_load_max_over_mean_before", "rank_load_max_over_mean_forward",
-                "rank_load_max_over_mean_backward"):
-        out[key] = mean(key)
-    for key in ("replica_bytes_fetched", "replica_bytes_pushed", "replica_bytes_reduced"):
-        out[key] = sum(r[key] for r in rows)
-    return out
 
 
 # ------------------------------------------------------------------------ helpers

@@ -11,7 +11,9 @@ a failed or interrupted start leaves the directory as it was):
    incompatible settings);
 2. set-up (:mod:`lrmoe.training.setup`): device, data (:mod:`lrmoe.data`), model
    (transformers, patched by ``lrmoe.integrations.transformers.patch_moe_blocks``), optimizer
-   (:mod:`lrmoe.training.optim`), batch stream (:mod:`lrmoe.training.batches`);
+   (:mod:`lrmoe.training.optim`) with the placement's step hook
+   (:class:`lrmoe.parallel.hooks.PlacementHooks`, the loop's one door into placement),
+   batch stream (:mod:`lrmoe.training.batches`);
 3. the run directory: stale ``.tmp-step-*`` saves removed, the files of an earlier run
    replaced (fresh) or the checkpoint's log restored (resume), metrics opened
    (:mod:`lrmoe.training.metrics`);
@@ -35,6 +37,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import Tensor
 
+from lrmoe.parallel.hooks import PlacementHooks, placement_from_config, reduce_and_clip_grads
 from lrmoe.training import checkpoint as ckpt_io
 from lrmoe.training import distributed as dist_io
 from lrmoe.training import preflight, setup
@@ -131,7 +134,6 @@ class Trainer:
     # ------------------------------------------------------------------ set-up
     def _setup(self) -> None:
         from lrmoe.integrations.transformers import patch_moe_blocks
-        from lrmoe.parallel.placement import placement_from_config
 
         cfg = self.cfg
         d = cfg.data
@@ -157,6 +159,7 @@ class Trainer:
             raise ValueError(f"the model ({type(self.model).__name__}) has no sparse-MoE block "
                              "that lrmoe can replace")
         self.lrmoe_layers = dict(patched)
+        self.placement = PlacementHooks(self.lrmoe_layers)
         if self.sharded and self.resume_from is not None:
             ckpt_io.load_ep_weights(self.model, self.resume_from)
         self.trace = None
@@ -169,16 +172,14 @@ class Trainer:
                 layer.trace, layer.layer_index = self.trace, index
         self.model.to(self.device)
         self.model.train()
-        if cfg.parallel.policy is not None and cfg.parallel.resident_bytes is None:
-            # the planner's resident bytes: measured once, the same on every rank
-            from lrmoe.parallel.placement import measured_resident_bytes
-            from lrmoe.parallel.replicas import set_placement
-            set_placement(self.model, placement_from_config(
-                cfg.parallel, measured_resident_bytes(self.device, self.group)))
+        # the planner's resident bytes (unless given): measured once, the same on every rank
+        self.placement.set_up(cfg.parallel, self.device, self.group)
         self.moe_timer = make_timer(cfg.run.time_moe, self.model, self.device)
         self.aux_coef = float(getattr(self.model.config, "router_aux_loss_coef", 0.0) or 0.0)
         self.optimizer, self.scheduler = build_optimizer(cfg.optim, self.model, self.device,
                                                          self.decay_steps)
+        # replica copies pushed after every optimizer step, for the policies that keep them
+        self.placement.attach(self.optimizer)
         position = self._state["data_position"] if self._state is not None else {}
         self.stream = BatchStream(
             self.data.train, d.batch_size, cfg.run.seed,
@@ -199,8 +200,7 @@ class Trainer:
         self.tokens_seen = int(state["tokens_seen"])
         self.elapsed_before = float(state["elapsed_s"])
         if "placement" in state:
-            from lrmoe.parallel.replicas import load_placement_state
-            load_placement_state(self.lrmoe_layers, state["placement"])
+            self.placement.load_state_dict(state["placement"])
         self._last_saved_step = self.step
         self.last_checkpoint = self.resume_from
         log(f"resumed from {self.resume_from} at step {self.step} (epoch "
@@ -243,9 +243,8 @@ class Trainer:
             "data_fingerprint": self.data_fingerprint,
             "ep_size": int(self.cfg.parallel.ep_size), "ep_rank": int(self.ep_rank),
             "dp_size": int(self.cfg.parallel.dp_size)}
-        if self.cfg.parallel.policy is not None:  # symi plans from the last step's loads
-            from lrmoe.parallel.replicas import placement_state
-            state["placement"] = placement_state(self.lrmoe_layers)
+        if self.placement.active:  # symi plans from the last step's loads
+            state["placement"] = self.placement.state_dict()
         # DP x EP: the dp replicas of a shard hold the same state; dp rank 0 writes it
         shard_dir = ckpt_io.rank_dir(self.cfg.run.out_dir, self.ep_rank)
         final = dist_io.write_once_per_dp_group(self.groups, lambda: ckpt_io.save_checkpoint(
@@ -309,12 +308,9 @@ class Trainer:
                 nll_total += nll.detach()
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         if self.group is not None:
-            from lrmoe import parallel
-
             # loss = mean of the ranks' losses: average dense grads, scale expert grads
-            parallel.allreduce_non_expert_grads(self.model, self.group,
-                                                dp_group=self.dp_group)
-            grad_norm = parallel.clip_grad_norm_(self.model, max_norm, self.ep_group)
+            grad_norm = reduce_and_clip_grads(self.model, max_norm, self.group,
+                                              self.ep_group, self.dp_group)
             nll_total, num_loss, stop = dist_io.reduce_step_totals(
                 self.group, nll_total, num_loss, self.stop_requested)
             if stop:
@@ -323,10 +319,7 @@ class Trainer:
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        if cfg.parallel.policy == "symi":  # replica copies for the next step (symi)
-            from lrmoe.parallel.replicas import push_replica_weights
-            push_replica_weights(self.model)
+        self.optimizer.step()  # its post-hook pushes replica copies (PlacementHooks.attach)
         self.scheduler.step()
         self.step += 1
         if self.trace is not None:
@@ -407,9 +400,7 @@ class Trainer:
                 record = self._train_step()
                 if self.step % cfg.run.log_every == 0 or self.step == steps:
                     record.update(diagnostics_means(self.model))
-                    if cfg.parallel.policy is not None:
-                        from lrmoe.parallel.replicas import placement_metrics
-                        record.update(placement_metrics(self.model))
+                    record.update(self.placement.metrics())
                     self._records.append(record)
                     self.metrics.write(record)
                 progress.update(self.step, steps, record)

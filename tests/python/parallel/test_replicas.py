@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import test_expert_parallel as tep
 from lrmoe.layer import LRMoELayer
 from lrmoe.parallel.placement import Placement
-from lrmoe.parallel.replicas import push_replica_weights
+from lrmoe.parallel.hooks import push_replica_weights
 from lrmoe.planner.plan import MemoryModel, plan as planner_plan
 from lrmoe.workload.shapes import ModelShape
 
