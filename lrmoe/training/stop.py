@@ -27,7 +27,7 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class StopSignals:
-    """A context manager that routes SIGINT and SIGTERM to ``request_stop`` while a run
+    """Routes (``install`` / ``restore``, or as a context manager) SIGINT and SIGTERM to ``request_stop`` while a run
     trains, and puts the previous handlers back after (main thread only: Python runs
     handlers there; elsewhere it does nothing).
 
@@ -41,16 +41,24 @@ class StopSignals:
         self._old: Dict[int, Any] = {}
         self._first: Optional[float] = None
 
-    def __enter__(self) -> "StopSignals":
+    def install(self) -> None:
+        """Route SIGINT and SIGTERM here (main thread only)."""
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._on_signal)
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def restore(self) -> None:
+        """Put the previous handlers back."""
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old.clear()
+
+    def __enter__(self) -> "StopSignals":
+        self.install()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.restore()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self._first is not None:

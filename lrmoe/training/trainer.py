@@ -27,8 +27,6 @@ import math
 import os
 import resource
 import shutil
-import signal
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,9 +48,9 @@ from lrmoe.training.metrics import (CURVE_FILE, METRICS_FILE, SUMMARY_FILE, TENS
                                     print_summary, read_metrics, write_loss_curve)
 from lrmoe.training.moe_timer import make_timer
 from lrmoe.training.optim import build_optimizer
+from lrmoe.training.run_lock import RunLock
+from lrmoe.training.stop import StopSignals, stop_with_launcher
 
-#: seconds after a Ctrl-C in which another SIGINT counts as the same one
-SIGINT_REPEAT_S = 1.0
 RUN_FILES = (METRICS_FILE, CURVE_FILE, SUMMARY_FILE)
 
 
@@ -130,6 +128,21 @@ class Trainer:
                                                                   self.ep_rank)
         else:
             self.decay_steps = preflight.check_fresh(cfg, self.out_dir, overwrite)
+        self._lock: Optional[RunLock] = None
+        if self.out_dir.is_dir():  # refuse a second job before a long set-up
+            self._take_lock()
+
+    def _take_lock(self) -> None:
+        """One job per run directory for the life of the process (every rank its folder;
+        the OS frees the lock even after kill -9: :mod:`lrmoe.training.run_lock`).
+
+        Raises:
+            RunDirBusy (a FileExistsError): another live job holds it.
+        """
+        if self._lock is None:
+            self._lock = dist_io.on_every_rank(self.group, self.rank,
+                                               lambda: RunLock(self.out_dir),
+                                               "locking its run folder")
 
     # ------------------------------------------------------------------ set-up
     def _setup(self) -> None:
@@ -267,22 +280,6 @@ class Trainer:
         # loss all-reduce (distributed.reduce_step_totals)
         return self._stop_all if self.group is not None else self.stop_requested
 
-    def _on_sigint(self, signum: int, frame: Any) -> None:
-        self.request_stop()
-        first = time.monotonic()
-
-        def again(signum: int, frame: Any) -> None:
-            # A terminal's Ctrl-C reaches the whole process group, and a parent that also
-            # passes it on sends a second one milliseconds later: the same Ctrl-C, not a
-            # request to abort without the checkpoint. (experiments/grid.py passes nothing
-            # on for this reason; the window guards other parents.)
-            if time.monotonic() - first >= SIGINT_REPEAT_S:
-                raise KeyboardInterrupt
-
-        signal.signal(signal.SIGINT, again)
-        log(f"Ctrl-C: stopping after the step in progress ({self.step} done) and saving a "
-            f"checkpoint (Ctrl-C again, after {SIGINT_REPEAT_S:g} s, aborts without saving)")
-
     # ------------------------------------------------------------------ the loop
     def _train_step(self) -> Dict[str, Any]:
         cfg = self.cfg
@@ -364,6 +361,9 @@ class Trainer:
             return self._run()
         finally:
             torch.set_num_threads(threads)
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
 
     def _run(self) -> TrainResult:
         self._setup()
@@ -376,14 +376,18 @@ class Trainer:
             summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
             return TrainResult(self.step, False, self.out_dir, self.resume_from, summary,
                                self.model)
+        self._take_lock()  # a new folder is made only now, after set-up
         self._open_run_dir()
         self._t_start = time.perf_counter()
         self._evals: List[Dict[str, Any]] = []
         self._records: List[Dict[str, Any]] = []
-        start_step, interrupted, old_handler = self.step, False, None
-        if threading.current_thread() is threading.main_thread():
-            old_handler = signal.signal(signal.SIGINT, self._on_sigint)
+        start_step, interrupted = self.step, False
         progress: Optional[Progress] = None
+        signals = StopSignals(self.request_stop, log)
+        signals.install()
+        if self.group is not None and dist_io.under_torchrun() and stop_with_launcher():
+            log("the launcher (torchrun) is gone: stopping after the first step")
+            self.request_stop()
         try:
             if self._state is not None:
                 ckpt_io.set_rng_state(self._state["rng"])
@@ -395,7 +399,7 @@ class Trainer:
             log(f"training steps {self.step + 1}..{steps} on {self.device} "
                 f"({'bf16 autocast' if self.autocast_dtype else 'float32'}); LRMoE "
                 f"c={s.recalibration_rate:g} metric={s.metric} quota={s.quota_rule} "
-                f"selection={s.selection}; Ctrl-C saves and stops")
+                f"selection={s.selection}; Ctrl-C or SIGTERM saves and stops")
             while self.step < steps and not self._stop_agreed():
                 record = self._train_step()
                 if self.step % cfg.run.log_every == 0 or self.step == steps:
@@ -416,10 +420,9 @@ class Trainer:
             if not interrupted and not (self._evals and self._evals[-1]["step"] == self.step):
                 self._evaluate(progress)  # after the checkpoint: a resume drops this line
         finally:
+            signals.restore()
             if progress is not None:
                 progress.close()
-            if old_handler is not None:
-                signal.signal(signal.SIGINT, old_handler)
             self.metrics.close()
         if self.trace is not None and self.trace.records:
             log(f"routing trace: {self.trace.save(cfg.run.record_trace)}")

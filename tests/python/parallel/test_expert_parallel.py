@@ -602,6 +602,66 @@ def test_ctrl_c_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+@pytest.mark.parametrize("stop", ["sigterm_to_torchrun", "second_ctrl_c_to_torchrun",
+                                  "torchrun_killed"])
+def test_a_stopped_torchrun_job_leaves_a_checkpoint_that_resumes_bitwise(tmp_path, stop):
+    """Issue 26: torchrun passes a Ctrl-C on to its workers and escalates a second one to
+    SIGTERM, which killed them without their checkpoint; a scheduler's SIGTERM did the
+    same, and a kill -9 of torchrun left them training. Now each ends with one checkpoint
+    of the same step on both ranks, and resuming from it gives the straight run's losses
+    bit for bit (the schedule is fixed by optim.lr_decay_steps, not by the step count)."""
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+    from test_train import micro, without_timing
+    from lrmoe.training import train as T
+
+    def config(name, steps):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(T.config_yaml(micro(tmp_path, steps=steps, eval_every=0, save_every=0,
+                                            log_every=1, lr_decay_steps=1000)))
+        return path
+
+    run = tmp_path / "run"
+    proc = _torchrun(["--config", str(config("long", 100000)), "--ep", "2", "--out", str(run)],
+                     tmp_path, wait=False)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None and not (
+            metrics.is_file() and metrics.read_text().count('"kind": "train"') >= 3):
+        time.sleep(0.2)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], text=True,
+                             capture_output=True).stdout.split()
+    assert len(workers) == 2, workers
+    if stop == "sigterm_to_torchrun":
+        os.kill(proc.pid, signal.SIGTERM)
+    elif stop == "second_ctrl_c_to_torchrun":
+        os.kill(proc.pid, signal.SIGINT)
+        time.sleep(1.5)  # past the trainer's repeat window: a second Ctrl-C, not the same
+        os.kill(proc.pid, signal.SIGINT)
+    else:
+        os.kill(proc.pid, signal.SIGKILL)  # the workers' parent-death signal is SIGTERM
+    _, err = proc.communicate(timeout=180)
+    for pid in workers:  # after a kill -9 of torchrun they end on their own
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline + 180:
+            time.sleep(0.2)
+        assert not Path(f"/proc/{pid}").exists(), f"worker {pid} still runs"
+    steps0 = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+    steps1 = sorted(p.name for p in (run / "ep-rank-1" / "checkpoints").glob("step-*"))
+    assert steps0 == steps1 and len(steps0) == 1, (steps0, steps1, err[-3000:])
+    n = int(steps0[0].split("-")[1]) + 2
+    r = _torchrun(["--resume", str(run), "--steps", str(n)], tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    straight = tmp_path / "straight"
+    r = _torchrun(["--config", str(config("short", n)), "--ep", "2", "--out", str(straight)],
+                  tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got, want = (without_timing(T.read_metrics(d / "metrics.jsonl")) for d in (run, straight))
+    assert [x["step"] for x in got if x["kind"] == "train"] == list(range(1, n + 1))
+    assert got == want
+
+
 def _adaptive_rate_refused(rank, world):
     group = dist.group.WORLD
     with pytest.raises(ValueError, match="adaptive rate"):

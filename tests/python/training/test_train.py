@@ -367,11 +367,48 @@ def test_sigint_saves_and_resume_continues(tmp_path, monkeypatch):
     assert got.interrupted and got.step == 2
     assert [p.name for p in T.list_checkpoints(tmp_path / "twice")] == ["step-00000002"]
     # a second Ctrl-C after the repeat window aborts at once
-    from lrmoe.training import trainer as trainer_module
-    monkeypatch.setattr(trainer_module, "SIGINT_REPEAT_S", 0.0)
+    from lrmoe.training import stop
+    monkeypatch.setattr(stop, "SIGINT_REPEAT_S", 0.0)
     with pytest.raises(KeyboardInterrupt):
         T.train(micro(tmp_path, "abort"), step_callback=twice)
     assert signal.getsignal(signal.SIGINT) is handler
+
+
+def test_sigterm_saves_never_aborts_and_the_run_folder_is_locked_meanwhile(tmp_path):
+    """Issue 26: SIGTERM (Slurm, Kubernetes, torchrun's escalation of a second Ctrl-C)
+    killed the run without its checkpoint. Now it stops like Ctrl-C, a second SIGTERM does
+    not abort, the resume equals a straight run, and while the run trains a second job on
+    its folder is refused (lrmoe/training/run_lock.py)."""
+    import subprocess
+    import sys
+
+    from lrmoe.training.run_lock import RunLock
+
+    refused = []
+
+    def callback(trainer, s):
+        if s == 3:
+            try_lock = subprocess.run(
+                [sys.executable, "-c", "import sys; from lrmoe.training.run_lock import "
+                 "RunLock; RunLock(sys.argv[1])", str(tmp_path / "cut")],
+                capture_output=True, text=True, timeout=120)
+            refused.append(try_lock.returncode != 0 and "is in use by pid" in try_lock.stderr)
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    handler = signal.getsignal(signal.SIGTERM)
+    cut = T.train(micro(tmp_path, "cut"), step_callback=callback)
+    assert refused == [True]
+    assert cut.interrupted and cut.step == 3
+    assert signal.getsignal(signal.SIGTERM) is handler  # restored
+    assert [p.name for p in T.list_checkpoints(tmp_path / "cut")] == ["step-00000003"]
+    RunLock(tmp_path / "cut").release()  # the ended run holds nothing
+    done = T.train(micro(tmp_path, "cut"), resume=T.find_checkpoint(tmp_path / "cut", "."))
+    assert done.step == 8 and not done.interrupted
+    T.train(micro(tmp_path, "straight"))
+    a = T.read_metrics(tmp_path / "straight" / "metrics.jsonl")
+    b = T.read_metrics(tmp_path / "cut" / "metrics.jsonl")
+    assert without_timing(a) == without_timing(b)
 
 
 def test_cli_subprocess_ctrl_c_then_resume(tmp_path):
