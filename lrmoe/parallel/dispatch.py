@@ -14,7 +14,7 @@ go to the experts, which find the matching saved rows) -> expert core -> :func:`
 """
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, List, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ from lrmoe.parallel.plan import DispatchPlan, h2d, inverse_permutation
 
 
 def exchange_counts(tokens_per_expert_E: Tensor, config: LRMoEConfig, group,
-                    dtype: torch.dtype, placement: Any = None, flag: int = 0
+                    dtype: torch.dtype, placement: Any = None, flag: Union[int, Tensor] = 0
                     ) -> Tuple[List[List[int]], Tensor, List[int]]:
     """All-gather every rank's routed counts, with the config hash riding along
     (``lrmoe.a2a_counts`` range; fails fast on ``set_recalibration`` drift).
@@ -41,8 +41,9 @@ def exchange_counts(tokens_per_expert_E: Tensor, config: LRMoEConfig, group,
         dtype: the compute dtype of the expert inputs.
         placement: the layer's :class:`lrmoe.parallel.placement.Placement` (hashed too),
             or None. With one, an int64 ``flag`` per rank rides along as well (whether
-            its pushed replica copies are fresh), so every rank learns all flags without
-            another collective.
+            its pushed replica copies are fresh: an int, or a () device tensor that
+            joins without a host sync of its own), so every rank learns all flags
+            without another collective.
 
     Returns:
         (counts_host: W lists of E ints n[s][e], counts_WE: (W, E) int64 on the device of
@@ -54,10 +55,13 @@ def exchange_counts(tokens_per_expert_E: Tensor, config: LRMoEConfig, group,
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     dev = tokens_per_expert_E.device
-    extra = [] if placement is None else [int(flag)]
+    parts = [tokens_per_expert_E.long()]
+    if placement is not None:  # a device flag joins without a sync of its own
+        parts.append(flag.to(dev, torch.int64).view(1) if isinstance(flag, Tensor)
+                     else h2d([int(flag)], torch.int64, dev))
+    parts.append(h2d([config_hash(config, world, dtype, placement)], torch.int64, dev))
     with phase("a2a_counts"):
-        meta = torch.cat([tokens_per_expert_E.long(), h2d(
-            extra + [config_hash(config, world, dtype, placement)], torch.int64, dev)])
+        meta = torch.cat(parts)
         meta_comm = meta.to(comm_device(group))
         got = [torch.empty_like(meta_comm) for _ in range(world)]
         dist.all_gather(got, meta_comm, group=group)
@@ -66,7 +70,7 @@ def exchange_counts(tokens_per_expert_E: Tensor, config: LRMoEConfig, group,
     raise_on_mismatch([row[-1] for row in meta_host], config, world, rank, dtype, placement)
     e = tokens_per_expert_E.shape[0]
     return ([row[:e] for row in meta_host], meta_WE1[:, :e],
-            [row[e] for row in meta_host] if extra else [])
+            [row[e] for row in meta_host] if placement is not None else [])
 
 
 def dispatch(x_PH: Tensor, plan: DispatchPlan, group) -> Tensor:

@@ -57,9 +57,11 @@ class ExpertParallelFunction(torch.autograd.Function):
             raise
         rank = dist.get_rank(group)
         placement = None if replicas is None else replicas.placement
-        fresh = replicas is not None and replicas.copies_fresh_now()
+        fresh = 0 if replicas is None else replicas.fresh_flag()
         counts_host, counts_WE, flags = exchange_counts(n_E, config, group, x_TH.dtype,
-                                                        placement, int(fresh))
+                                                        placement, fresh)
+        if replicas is not None:
+            replicas.note_stale_checksum(fresh, flags, rank)
         layout = None
         if replicas is not None:
             with phase("plan"):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -104,6 +104,8 @@ class _PushedCopies:
     key: Tuple[Tuple[int, ...], Tuple[int, ...]]   # (instance offsets, instance ranks)
     popularity: List[int]                          # the loads the placement came from
     versions: Tuple[int, int]                      # the owner shard's versions at the push
+    pointers: Tuple[int, int]                      # ... its data pointers
+    checksum: Tensor                               # ... its weight_checksum (device)
     weights_F: Tensor                              # (F, 3HI) rows, this rank's copies
 
 
@@ -128,6 +130,7 @@ class ReplicaState:
         #: popularity, so evaluation between steps does not move the placement
         self.recording = True
         self._warned = False
+        self._warned_stale = False
 
     def set_placement(self, placement: Placement, config: LRMoEConfig) -> None:
         """Replace the settings (e.g. measured resident bytes); every rank must do the
@@ -209,11 +212,38 @@ class ReplicaState:
 
     # -------------------------------------------------------- weights of instances
     def copies_fresh_now(self) -> bool:
-        """Before the counts exchange: whether copies pushed for the current popularity
-        exist and the owner shard has not changed since (this rank's flag)."""
+        """Before the counts exchange, on the host: whether copies pushed for the current
+        popularity exist and the owner shard has not visibly changed since (the same
+        tensor versions and data pointers). A write through ``.data`` moves neither:
+        :meth:`fresh_flag` also compares the weights' checksum on the device."""
         got = self._pushed
         return (got is not None and got.popularity == self.popularity_E
-                and got.versions == _versions(self.experts))
+                and got.versions == _versions(self.experts)
+                and got.pointers == _pointers(self.experts))
+
+    def fresh_flag(self) -> Union[int, Tensor]:
+        """This rank's freshness flag for the counts exchange: 0 when
+        :meth:`copies_fresh_now` is False, else a () int64 device tensor, 1 when the owner
+        shard's :func:`weight_checksum` still equals the push's. It rides the counts
+        all-gather, so the check adds no host sync: a ``.data`` write, an EMA update or a
+        weight load after the push makes every rank fetch instead (issue 26: such a write
+        left symi computing with the old copies, silently)."""
+        if not self.copies_fresh_now():
+            return 0
+        return (weight_checksum(self.experts) == self._pushed.checksum).all().long()
+
+    def note_stale_checksum(self, flag: Union[int, Tensor], flags: List[int], rank: int) -> None:
+        """After the exchange: warn once when this rank's copies looked fresh on the host
+        but its checksum differed (the weights changed outside the optimizer step)."""
+        if isinstance(flag, Tensor) and flags and not flags[rank] \
+                and not self._warned_stale:
+            self._warned_stale = True
+            warnings.warn(
+                "symi: the owner's expert weights changed after the last push without a "
+                "new one (a write through .data, an EMA or a weight load outside the "
+                "optimizer step); this forward fetched the replica weights instead of using "
+                "the stale copies. Push after such writes (PlacementHooks.push()) to keep "
+                "the forwards free of weight traffic", RuntimeWarning, stacklevel=2)
 
     def copies_fresh(self, layout: InstanceLayout) -> bool:
         """Whether the copies pushed after the last optimizer step (``symi``) hold this
@@ -311,7 +341,8 @@ class ReplicaState:
         with torch.no_grad(), phase("replica_push"):
             got_F, sent = exchange_weights(gu, d, routes, group)
         self._pushed = _PushedCopies(_layout_key(layout), list(self.popularity_E),
-                                     _versions(self.experts), got_F)
+                                     _versions(self.experts), _pointers(self.experts),
+                                     weight_checksum(self.experts), got_F)
         self.stats.bytes["weights_pushed"] = sent
         self.stats.splits["replica_push"] = (list(routes.send_splits), _copy_bytes(gu, d))
         return sent
@@ -341,6 +372,27 @@ def _layout_key(layout: InstanceLayout):
 def _versions(experts: nn.Module) -> Tuple[int, int]:
     # in-place updates (optimizer steps, checkpoint loads) bump a tensor's version
     return (experts.gate_up_proj._version, experts.down_proj._version)
+
+
+def _pointers(experts: nn.Module) -> Tuple[int, int]:
+    # ``param.data = other`` swaps the storage without a version bump
+    return (experts.gate_up_proj.data_ptr(), experts.down_proj.data_ptr())
+
+
+def weight_checksum(experts: nn.Module) -> Tensor:
+    """(4,) float64 on the weights' device: for each of ``gate_up_proj`` and ``down_proj``
+    the sum of the raw bit patterns as integers (exact) and the float32 sum of the values.
+
+    Two reductions per tensor, no copy of the weights: cheap next to the forward's grouped
+    GEMMs. Equal checksums are taken as unchanged weights; a change that keeps both sums
+    (a permutation of the elements, say) would go unseen.
+    """
+    out = []
+    for w in (experts.gate_up_proj.detach(), experts.down_proj.detach()):
+        bits = {8: torch.int64, 4: torch.int32, 2: torch.int16}[w.element_size()]
+        out.append(w.view(bits).sum(dtype=torch.int64).double())
+        out.append(w.sum(dtype=torch.float32).double())
+    return torch.stack(out)
 
 
 def _copy_bytes(w_gate_up: Tensor, w_down: Tensor) -> int:

@@ -137,6 +137,47 @@ def _check_user_loop(rank, world):
         PlacementHooks(model).attach(dense)
 
 
+def _check_data_writes_are_seen(rank, world):
+    """Issue 26.1: after a push, a change of the owners' weights through ``.data`` (what
+    EMA and weight-loading code do) moves no tensor version; the next forward used the old
+    copies (output 72 % off). Now the checksum in the counts exchange makes every rank
+    fetch: the output equals a layer that never pushed, computed on the same weights."""
+    import warnings
+
+    E = 2 * world
+    cfg = tep._cfg(num_experts=E)
+    model = _model(cfg, "symi")
+    layer = model["moe"]
+    hooks = PlacementHooks(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooks.attach(opt)
+    ids = _ids(E)
+    gen = torch.Generator().manual_seed(5 + rank)
+    x = torch.randn(T_RANK, H, generator=gen, dtype=torch.float64)
+    for _ in range(2):
+        _step(model, opt, x, torch.ones_like(x), ids)
+    st = layer.core.replicas.stats
+    for write in ("scale", "assign"):
+        if write == "scale":
+            layer.experts.gate_up_proj.data.mul_(0.5)  # in place through .data: no version
+        else:  # a new storage: no version either
+            layer.experts.down_proj.data = layer.experts.down_proj.data * 2.0
+        reference = _model(cfg, None)["moe"]  # no placement: the owners compute, no copies
+        reference.load_state_dict(layer.state_dict())
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = layer(x, expert_ids=ids)
+        fetched = torch.tensor([st.bytes["weights_fetched"]])
+        dist.all_reduce(fetched)
+        assert int(fetched) > 0, write  # the stale copies were not used
+        assert torch.allclose(got, reference(x, expert_ids=ids), rtol=1e-12, atol=1e-12), write
+        if write == "scale":  # one warning names the cause, once
+            assert any("changed after the last push" in str(w.message) for w in seen)
+        hooks.push()  # as the warning says: a push after such writes ends the fetching
+        layer(x, expert_ids=ids)
+        assert st.bytes["weights_fetched"] == 0, write
+
+
 def _check_fetching_policy(rank, world):
     """ultraep fetches in the forward: nothing is registered, a step pushes nothing."""
     E = 2 * world
@@ -154,6 +195,7 @@ def _check_fetching_policy(rank, world):
 
 def _check_all(rank, world):
     _check_user_loop(rank, world)
+    _check_data_writes_are_seen(rank, world)
     _check_fetching_policy(rank, world)
 
 
