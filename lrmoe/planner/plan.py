@@ -229,9 +229,9 @@ def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 
     inp = plan_input(load.shape[0], load.shape[1], memory, recalibration_rate, quota_rule,
                      replica_slots, symi_slots, max_expert_cut, backward_row_capacity,
                      min_replica_rows, balance_slack)
-    inp.load_WE = _as_int64(load, "load_WE")
+    inp.load_WE = _as_int64(load)
     if previous_load_E is not None:
-        inp.previous_load_E = _as_int64(previous_load_E, "previous_load_E")
+        inp.previous_load_E = _as_int64(previous_load_E)
     p = _C.planner.plan(policy, inp)
     W, I = p.num_ranks, p.num_instances()
 
@@ -252,7 +252,7 @@ def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 
                 binding_rank=p.binding_rank, shortfall=p.shortfall, reason=p.reason)
 
 
-def _as_int64(a, name: str) -> np.ndarray:
+def _as_int64(a) -> np.ndarray:
     """``a`` (tensor, array or nested lists of ints) as an int64 numpy array; a float
     array is converted as the old op's ``torch.as_tensor(..., dtype=torch.int64)`` did
     (truncating), so every caller keeps its behaviour."""

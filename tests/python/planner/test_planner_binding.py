@@ -66,6 +66,7 @@ def test_the_python_face_reads_the_toy_plan_by_name():
     assert (p.binding, p.binding_rank, p.shortfall, p.limit_bytes) == ("memory", 1, 10, 45)
     assert P.POLICIES == ("fixed", "ultraep", "symi", "lrmoe")
     assert P.BINDINGS == ("none", "memory", "backward_row_capacity", "replica_slots")
+    assert P.MEMORY_PARTS == B.MemoryBreakdown._fields
 
 
 def test_every_field_reads_back_what_was_written():
