@@ -1,6 +1,7 @@
 """Build of the lrmoe package and its compiled extension ``lrmoe._C``.
 
-The extension is always built for the CPU (csrc/ops/*.cpp). Where the installed
+The extension is always built for the CPU (csrc/ops/*.cpp, the planner and simulator
+of csrc/planner and csrc/sim, and their pybind11 bindings csrc/python/*.cpp). Where the installed
 torch is a CUDA build and nvcc is found, the CUDA kernels (csrc/ops/*.cu) are
 added, compiled for Hopper (sm_90a + sm_90) unless LRMOE_CUDA_ARCH names other
 ``-gencode`` targets. Set LRMOE_CUDA=0 to force a CPU-only build, LRMOE_CUDA=1
@@ -36,7 +37,8 @@ def _want_cuda() -> bool:
 def _extension():
     cpp = sorted(glob.glob(os.path.join("csrc", "ops", "*.cpp"))
                  + glob.glob(os.path.join("csrc", "planner", "*.cpp"))
-                 + glob.glob(os.path.join("csrc", "sim", "*.cpp")))
+                 + glob.glob(os.path.join("csrc", "sim", "*.cpp"))
+                 + glob.glob(os.path.join("csrc", "python", "*.cpp")))
     # no fused multiply-add contraction: the CPU kernels then round like the CUDA ones
     # (which use explicit __fmul_rn/__fadd_rn where bit equality is tested) on every ISA;
     # GCC contracts by default where FMA exists (aarch64, x86 with -march=native)

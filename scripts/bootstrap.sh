@@ -155,7 +155,7 @@ fi
 # linked). torch's version is read without importing torch, to keep this path fast.
 sos=(lrmoe/_C*.so)
 so="${sos[0]:-}"
-srcs=(csrc/ops/*.cpp csrc/ops/*.cu)
+srcs=(csrc/ops/*.cpp csrc/ops/*.cu csrc/python/*.cpp)
 src_list="$(printf '%s\n' "${srcs[@]}" | sha256sum | cut -d' ' -f1)"
 BSTAMP="build/.lrmoe-build-stamp"
 torch_id="$("$VPY" - <<'PY'

@@ -1,14 +1,13 @@
 // The lrmoe operator library: one schema per op. Implementations register
 // themselves per dispatch key in csrc/ops/<op>.cpp (CPU) and <op>.cu (CUDA);
-// fake (meta) kernels for torch.compile live in lrmoe/ops.py.
+// fake (meta) kernels for torch.compile live in lrmoe/ops.py. The planner and the
+// simulator are no ops: csrc/python binds them as programs (lrmoe._C.planner, lrmoe._C.sim),
+// and csrc/python/module.cpp is the module whose loading runs these registrations.
 //
 // Legend used by every op: T tokens, K top_k, P = T*K routed pairs, E experts,
 // H hidden size, I expert intermediate size, R retained pairs.
 // "row" = position in the expert-sorted (permuted) order; "pair" = t*K + k.
-#include <Python.h>
 #include <torch/library.h>
-
-#include "core/quota.h"
 
 TORCH_LIBRARY(lrmoe, m) {
   // expert_ids (T, K) int32/int64 -> row_pair (P) int32, pair_row (P) int32,
@@ -42,51 +41,4 @@ TORCH_LIBRARY(lrmoe, m) {
   // torch._grouped_mm semantics (2D x 3D, 2D x 2D with offsets on K); a per-expert
   // loop where the fused kernel does not apply.
   m.def("grouped_mm(Tensor a, Tensor b, Tensor offsets) -> Tensor");
-  // placement planner (csrc/planner), host only: load (W, E) int -> instance_offsets (E+1),
-  // instance_rank (I), forward (I, W), retained (I, W), quota (E), rows (3, W) [fixed,
-  // forward, backward], memory (W, 4) [base, replicas, forward, backward] bytes, status (6)
-  // [feasible, binding, binding_rank, shortfall, limit_bytes, replicas], reason; all int64.
-  // memory_bytes = [weight, grad, optimizer, forward_row, backward_row, budget, resident].
-  m.def("plan(Tensor load, str policy, int[] memory_bytes, bool optimizer_on_device, "
-        "float recalibration_rate, str quota_rule, int replica_slots, int symi_slots, "
-        "Tensor? previous_load, float max_expert_cut, int backward_row_capacity, "
-        "int min_replica_rows, float balance_slack) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
-        "Tensor, str)");
-  // cluster simulator (csrc/sim), host only: load (S, L, W, E) int -> fields (S*L, 31)
-  // float64 (columns: lrmoe/sim.py FIELDS), sent bytes (S*L, 5, W) int64 (empty unless
-  // sizes[3]), the first infeasible plan's reason. gemm (G, 4) float64 calibrated points;
-  // per_row 12 ms-per-row costs (lrmoe/sim.py PER_ROW); link [gpus_per_node, intra GB/s, intra us, inter GB/s,
-  // inter us, self-copy GB/s]; sizes [hidden, elem_bytes, offload_row_bytes, per_rank_bytes];
-  // multiplier > 0: batch pressure (up to max_micro micro-batches per layer).
-  m.def("sim(Tensor load, str policy, int[] memory_bytes, bool optimizer_on_device, "
-        "float recalibration_rate, str quota_rule, int replica_slots, int symi_slots, "
-        "float max_expert_cut, int backward_row_capacity, int min_replica_rows, "
-        "float balance_slack, Tensor gemm, float[] per_row, float[] link, int[] sizes, "
-        "bool offload, float h2d_GBps, int threads, Tensor? previous_load, float multiplier, "
-        "int max_micro) -> (Tensor, Tensor, str)");
-}
-
-// The recalibration rate as the exact fraction p/q that every quota uses
-// (core::rate_fraction), so Python sizes the backward buffers, R = (q - p) * P / q,
-// with the same arithmetic as the C++ quotas and in plain ints torch.compile traces.
-static PyObject* py_rate_fraction(PyObject*, PyObject* args) {
-  double rate = 0.0;
-  if (!PyArg_ParseTuple(args, "d", &rate)) return nullptr;
-  if (!(rate >= 0.0 && rate < 1.0)) {
-    PyErr_SetString(PyExc_ValueError, "rate_fraction: recalibration_rate must be in [0, 1)");
-    return nullptr;
-  }
-  const auto f = lrmoe::core::rate_fraction(rate);
-  return Py_BuildValue("(LL)", static_cast<long long>(f.p), static_cast<long long>(f.q));
-}
-
-static PyMethodDef methods[] = {
-    {"rate_fraction", py_rate_fraction, METH_VARARGS,
-     "rate_fraction(recalibration_rate) -> (p, q), the exact fraction used for c"},
-    {nullptr, nullptr, 0, nullptr}};
-
-// `import lrmoe._C` loads this library, whose static initialisers register the ops.
-extern "C" PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
-  return PyModule_Create(&module_def);
 }

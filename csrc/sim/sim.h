@@ -3,7 +3,8 @@
 // (docs/simulation.md describes every formula; the numbers it gives are simulated).
 //
 // Plain C++17, no torch: tests/cpp/test_sim.cpp checks it on hand-computed toy
-// clusters, tests/cpp/bench_sim.cpp times it, csrc/ops/sim.cpp binds it for lrmoe/sim.py.
+// clusters, tests/cpp/bench_sim.cpp times it, csrc/python/sim_bindings.cpp binds it for
+// lrmoe/sim/simulate.py.
 //
 // Legend: W ranks of the expert-parallel group (nodes of G GPUs), E experts,
 // I instances of a plan, L_WE routed pairs from source s to expert e, F_IW / B_IW

@@ -1,11 +1,13 @@
 """Placement planning: which ranks hold each expert, where every routed pair runs, how
 many pairs keep their backward, and what it costs in memory (docs/planner.md).
 
-The planner itself is plain C++ (``csrc/planner``), reached through the ``lrmoe.plan``
-op; this module is its Python face: the model shapes and byte sizes, routed loads
-(synthetic or from a routing trace), and :func:`plan`, which returns a frozen
-:class:`Plan` built from the op's arrays. Every rank computes the same plan from the
-same all-gathered counts.
+The planner itself is plain C++ (``csrc/planner``), bound as the program
+``lrmoe._C.planner`` (csrc/python/planner_bindings.cpp: its ``PlanInput`` and ``Plan``
+structs with named fields, and ``plan(policy, input)``); this module is its Python face:
+the model shapes and byte sizes, routed loads (synthetic or from a routing trace), and
+:func:`plan`, which fills a ``PlanInput`` by field name and returns a frozen
+:class:`Plan` read from the C++ plan's fields. Every rank computes the same plan from
+the same all-gathered counts.
 
 Legend: W ranks of the expert-parallel group (= source ranks), E experts, K top_k,
 I expert instances (owner copies + replicas; not the intermediate size), H hidden size,
@@ -22,12 +24,18 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from lrmoe import _C  # noqa: F401  (registers the ops)
+from lrmoe import _C
 from lrmoe.ops import QUOTA_RULES
 from lrmoe.workload.shapes import ModelShape
 
-POLICIES = ("fixed", "ultraep", "symi", "lrmoe")
-BINDINGS = ("none", "memory", "backward_row_capacity", "replica_slots")
+#: the policies, by the names of the binding's PolicyKind (planner/plan.h):
+#: fixed, ultraep, symi, lrmoe
+POLICIES = tuple(_C.planner.PolicyKind.__members__)
+#: :attr:`Plan.binding`'s values, the binding's Binding names: none, memory,
+#: backward_row_capacity, replica_slots
+BINDINGS = tuple(_C.planner.Binding.__members__)
+#: the columns of :attr:`Plan.memory_W4`, fields of the C++ MemoryBreakdown
+MEMORY_PARTS = ("base_experts", "replicas", "forward_tokens", "backward_tokens")
 GiB = 1 << 30
 
 
@@ -72,10 +80,10 @@ class MemoryModel:
                    budget_bytes=budget_bytes, resident_bytes=resident_bytes,
                    optimizer_on_device=optimizer_on_device)
 
-    def as_list(self) -> List[int]:
-        return [self.expert_weight_bytes, self.expert_grad_bytes, self.expert_optimizer_bytes,
-                self.forward_row_bytes, self.backward_row_bytes, self.budget_bytes,
-                self.resident_bytes]
+    def to_cpp(self) -> "_C.planner.MemoryModel":
+        """The C++ planner's MemoryModel, filled field by field (the names are the same)."""
+        return _C.planner.MemoryModel(**{f.name: getattr(self, f.name)
+                                         for f in dataclasses.fields(self)})
 
 
 #: the largest byte count the planner takes (its int64 sums of per-rank bytes must not
@@ -229,20 +237,61 @@ def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 
         raise ValueError(f"quota_rule must be one of {', '.join(QUOTA_RULES)}; got {quota_rule!r}")
     if balance_slack is not None and not balance_slack >= 0:
         raise ValueError(f"balance_slack must be >= 0 (or None: off), got {balance_slack}")
-    load = torch.as_tensor(np.asarray(load_WE), dtype=torch.int64)
-    if load.dim() != 2:
+    load = np.asarray(load_WE)
+    if load.ndim != 2:
         raise ValueError(f"load_WE must be 2-D (W ranks, E experts), got shape {tuple(load.shape)}")
     check_slots(replica_slots, symi_slots, load.shape[1])
-    prev = None if previous_load_E is None else torch.as_tensor(np.asarray(previous_load_E),
-                                                                dtype=torch.int64)
-    (offsets, ranks, fwd, kept, quota, rows, mem, status, reason) = torch.ops.lrmoe.plan(
-        load, policy, memory.as_list(), memory.optimizer_on_device, float(recalibration_rate),
-        quota_rule, int(replica_slots), int(symi_slots), prev, float(max_expert_cut),
-        int(backward_row_capacity), int(min_replica_rows),
-        -1.0 if balance_slack is None else float(balance_slack))
-    s = status.tolist()
-    return Plan(policy=policy, instance_offsets=offsets, instance_rank=ranks, forward_IW=fwd,
-                retained_IW=kept, quota_E=quota, fixed_rows_W=rows[0], forward_rows_W=rows[1],
-                backward_rows_W=rows[2], memory_W4=mem, limit_bytes=s[4], replicas=s[5],
-                feasible=bool(s[0]), binding=BINDINGS[s[1]], binding_rank=s[2], shortfall=s[3],
-                reason=reason)
+    inp = plan_input(load.shape[0], load.shape[1], memory, recalibration_rate, quota_rule,
+                     replica_slots, symi_slots, max_expert_cut, backward_row_capacity,
+                     min_replica_rows, balance_slack)
+    inp.load_WE = _as_int64(load)
+    if previous_load_E is not None:
+        inp.previous_load_E = _as_int64(previous_load_E)
+    p = _C.planner.plan(policy, inp)
+    W, I = p.num_ranks, p.num_instances()
+
+    def tensor(a, *shape):
+        return torch.from_numpy(np.asarray(a, dtype=np.int64).reshape(shape))
+
+    # fixed_rows_W is empty where E % W != 0 (symi): -1 then, as documented on Plan
+    fixed = p.fixed_rows_W if p.fixed_rows_W.size else np.full(W, -1, dtype=np.int64)
+    memory_W4 = [[m.base_experts, m.replicas, m.forward_tokens, m.backward_tokens]
+                 for m in p.memory_W]  # MEMORY_PARTS, by name
+    return Plan(policy=policy, instance_offsets=tensor(p.instance_offsets, -1),
+                instance_rank=tensor(p.instance_rank, -1), forward_IW=tensor(p.forward_IW, I, W),
+                retained_IW=tensor(p.retained_IW, I, W), quota_E=tensor(p.quota_E, -1),
+                fixed_rows_W=tensor(fixed, W), forward_rows_W=tensor(p.forward_rows_W, W),
+                backward_rows_W=tensor(p.backward_rows_W, W),
+                memory_W4=tensor(memory_W4, W, len(MEMORY_PARTS)), limit_bytes=p.limit_bytes,
+                replicas=p.replicas, feasible=p.feasible, binding=p.binding.name,
+                binding_rank=p.binding_rank, shortfall=p.shortfall, reason=p.reason)
+
+
+def _as_int64(a) -> np.ndarray:
+    """``a`` (tensor, array or nested lists of ints) as an int64 numpy array; a float
+    array is converted as the old op's ``torch.as_tensor(..., dtype=torch.int64)`` did
+    (truncating), so every caller keeps its behaviour."""
+    if isinstance(a, torch.Tensor):
+        a = a.detach().cpu().numpy()
+    return np.asarray(a).astype(np.int64, copy=False)
+
+
+def plan_input(num_ranks: int, num_experts: int, memory: MemoryModel,
+               recalibration_rate: float = 0.0, quota_rule: str = "proportional",
+               replica_slots: int = 2, symi_slots: int = 0, max_expert_cut: float = 0.5,
+               backward_row_capacity: int = 0, min_replica_rows: int = 1,
+               balance_slack: Optional[float] = DEFAULT_BALANCE_SLACK) -> "_C.planner.PlanInput":
+    """The C++ planner's settings as a ``lrmoe._C.planner.PlanInput``, every field set by
+    name (arguments as in :func:`plan`; ``balance_slack`` None is the C++ "off", -1); its
+    loads (``load_WE``, ``previous_load_E``) are left empty for the caller.
+
+    Raises:
+        TypeError, ValueError: a value a field cannot hold, naming the field.
+    """
+    return _C.planner.PlanInput(
+        num_ranks=num_ranks, num_experts=num_experts, memory=memory.to_cpp(),
+        recalibration_rate=float(recalibration_rate), quota_rule=quota_rule,
+        replica_slots=int(replica_slots), symi_slots=int(symi_slots),
+        max_expert_cut=float(max_expert_cut), backward_row_capacity=int(backward_row_capacity),
+        min_replica_rows=int(min_replica_rows),
+        balance_slack=-1.0 if balance_slack is None else float(balance_slack))

@@ -130,9 +130,3 @@ class Links:
         src = {f"{side}.{k}": str(d[side].get(k, "")) for side in ("intra_node", "inter_node")
                for k in ("source", "latency_source")}
         return cls(str(d.get("name", p.stem)), sources=src, **vals)
-
-    def as_list(self, self_GBps: float = 0.0) -> list:
-        """The op's link list; ``self_GBps``: the device copy of the rows a rank sends
-        itself (:meth:`Costs.self_copy_GBps`; 0: free)."""
-        return [float(self.gpus_per_node), self.intra_GBps, self.intra_latency_us,
-                self.inter_GBps, self.inter_latency_us, float(self_GBps)]

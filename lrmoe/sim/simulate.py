@@ -1,7 +1,9 @@
 """The cluster simulator's Python face (docs/simulation.md): cost and link files, routed
-loads for a cluster, and :func:`simulate`, which runs the ``lrmoe.sim`` op (the C++
-simulator of ``csrc/sim`` over the planner of ``csrc/planner``) and returns its fields
-as numpy arrays. Every number it gives is simulated, not measured.
+loads for a cluster, and :func:`simulate`, which runs the C++ simulator of ``csrc/sim``
+(over the planner of ``csrc/planner``), bound as the program ``lrmoe._C.sim``
+(csrc/python/sim_bindings.cpp): it fills a ``SimConfig`` and a ``PlanInput`` by field
+name and turns the named fields of the ``LayerResult`` it gets back into numpy arrays.
+Every number it gives is simulated, not measured.
 
 Legend: S steps, Lyr MoE layers, W ranks of one expert-parallel group (the simulated
 cluster is ``dp`` copies of it), E experts, ``load_SLWE`` routed pairs per (step, layer,
@@ -10,29 +12,56 @@ source rank, expert), N = S x Lyr layer results.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Optional, Sequence
 
 import numpy as np
-import torch
 
-from lrmoe import _C  # noqa: F401  (registers the ops)
+from lrmoe import _C
 from lrmoe.sim.costs import PER_ROW, Costs
 # the link files live in lrmoe.sim.links (the link benchmark reads them too)
 from lrmoe.sim.links import Links
-from lrmoe.planner.plan import DEFAULT_BALANCE_SLACK, MemoryModel, check_slots
+from lrmoe.planner.plan import DEFAULT_BALANCE_SLACK, MemoryModel, check_slots, plan_input
 from lrmoe.workload.shapes import ModelShape
 
-#: the columns of the op's fields (csrc/ops/sim.cpp kFields, same order); times in ms,
-#: bytes plain; memory parts are each part's maximum over ranks, ``memory_peak`` the
-#: largest rank's total; ``micro_batches``/``time_ms`` are the batch-pressure answer
-#: (1 and fwd + bwd outside it; 0 and NaN when no micro-batch count fits)
-FIELDS = ("feasible", "binding", "fwd_ms", "bwd_ms", "src_fwd_ms", "dispatch_ms",
-          "expert_fwd_ms", "combine_ms", "src_bwd_ms", "grad_a2a_ms", "expert_bwd_ms",
-          "dx_a2a_ms", "replica_ms", "offload_ms", "fwd_link_bytes", "bwd_link_bytes",
-          "replica_bytes", "offload_bytes", "memory_base_experts", "memory_replicas",
-          "memory_forward_tokens", "memory_backward_tokens", "memory_peak", "limit_bytes",
-          "replicas", "pairs", "retained", "fwd_imbalance", "bwd_imbalance",
-          "micro_batches", "time_ms")
+
+def _fields() -> tuple:
+    """The scalar fields of the binding's LayerResult in its order (the per-layer
+    ``reason`` and ``sent_bytes_5W`` apart), ``memory_max`` spread into ``memory_<part>``,
+    then PressureResult's ``micro_batches`` and ``time_ms``."""
+    out = []
+    for f in _C.sim.LayerResult._fields:
+        if f == "memory_max":
+            out += ["memory_" + p for p in _C.planner.MemoryBreakdown._fields]
+        elif f not in ("reason", "sent_bytes_5W"):
+            out.append(f)
+    return tuple(out) + tuple(f for f in _C.sim.PressureResult._fields if f != "layer")
+
+
+#: the per-layer result keys of :func:`simulate`, derived from the binding's LayerResult
+#: (csrc/sim/sim.h): feasible, binding (its number: 0 none, 1 memory, 2
+#: backward_row_capacity, 3 replica_slots), the phase times fwd_ms ... offload_ms, the link
+#: bytes fwd_link_bytes ... offload_bytes, memory_base_experts, memory_replicas,
+#: memory_forward_tokens, memory_backward_tokens (each part's maximum over ranks),
+#: memory_peak (the largest rank's total), limit_bytes, replicas, pairs, retained,
+#: fwd_imbalance, bwd_imbalance, and micro_batches/time_ms, the batch-pressure answer (1
+#: and fwd + bwd outside it; 0 and NaN when no micro-batch count fits); times in ms,
+#: bytes plain
+FIELDS = _fields()
+
+
+def _getter(key: str):
+    """LayerResult -> the number of result key ``key`` (one of FIELDS it holds)."""
+    part = key[len("memory_"):]
+    if key.startswith("memory_") and part in _C.planner.MemoryBreakdown._fields:
+        return operator.attrgetter("memory_max." + part)
+    if key == "binding":  # the enum member's number
+        return lambda r: int(r.binding)
+    return operator.attrgetter(key)
+
+
+_LAYER_GETTERS = tuple((k, _getter(k)) for k in FIELDS
+                       if k not in _C.sim.PressureResult._fields)
 #: the bytes each rank sends into each collective (the EP layer's ``stats.a2a_bytes``)
 SENT_KEYS = ("forward_dispatch", "forward_combine", "backward_grad", "backward_index",
              "backward_dx")
@@ -73,45 +102,85 @@ def simulate(load_SLWE: np.ndarray, policy: str, memory: MemoryModel, costs: Cos
         threads: simulator threads. per_rank_bytes: also return ``sent_N5W``.
         multiplier: > 0: batch pressure -- every layer at ``multiplier`` x its loads, split
             into up to ``max_micro_batches`` micro-batches until one fits.
-        chunk_steps: steps per op call (bounds memory at large W x E).
+        chunk_steps: steps per simulator call (bounds memory at large W x E).
 
     Returns:
         dict: each of :data:`FIELDS` -> (N,) float64 in (step, layer) order; ``sent_N5W``
         (N, 5, W) int64 when asked; ``reason``: the first infeasible plan's reason ('').
 
     Raises:
-        ValueError: bad input (naming the argument), from here or from the op.
+        ValueError: bad input (naming the argument or the C++ field), from here or from
+            the simulator.
     """
-    load = torch.as_tensor(np.asarray(load_SLWE), dtype=torch.int64)
-    if load.dim() != 4:
+    load = np.asarray(load_SLWE).astype(np.int64, copy=False)
+    if load.ndim != 4:
         raise ValueError(f"load_SLWE must be 4-D (steps, layers, W, E), got {tuple(load.shape)}")
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     check_slots(replica_slots, symi_slots, load.shape[3])
-    gemm = torch.as_tensor(costs.gemm_G4, dtype=torch.float64)
-    per_row = [costs.per_row[k] for k in PER_ROW]
-    parts, sents, reason, prev = [], [], "", None
+    cfg = sim_config(costs, links, hidden, offload=offload, offload_row_bytes=offload_row_bytes,
+                     elem_bytes=elem_bytes, per_rank_bytes=per_rank_bytes)
+    W = load.shape[2]
+    inp = plan_input(W, load.shape[3], memory, recalibration_rate, "proportional",
+                     replica_slots, symi_slots, max_expert_cut, 0, min_replica_rows,
+                     balance_slack)
+    # (layer, micro_batches, time_ms) per (step, layer)
+    rows, prev = [], None
     for s0 in range(0, load.shape[0], chunk_steps):
-        chunk = load[s0:s0 + chunk_steps].contiguous()
-        fields, sent, why = torch.ops.lrmoe.sim(
-            chunk, policy, memory.as_list(), memory.optimizer_on_device,
-            float(recalibration_rate), "proportional", int(replica_slots), int(symi_slots),
-            float(max_expert_cut), 0, int(min_replica_rows),
-            -1.0 if balance_slack is None else float(balance_slack), gemm, per_row,
-            links.as_list(costs.self_copy_GBps),
-            [int(hidden), int(elem_bytes), int(offload_row_bytes), int(per_rank_bytes)],
-            bool(offload), costs.h2d_GBps,
-            int(threads), prev, float(multiplier), int(max_micro_batches))
+        chunk = np.ascontiguousarray(load[s0:s0 + chunk_steps])
+        if multiplier > 0:  # batch pressure: every (step, layer) at m x its loads
+            for cell in chunk.reshape(-1, *chunk.shape[2:]):
+                inp.load_WE = cell
+                p = _C.sim.simulate_pressure(policy, inp, float(multiplier),
+                                             int(max_micro_batches), cfg)
+                rows.append((p.layer, p.micro_batches, p.time_ms))
+        else:
+            for r in _C.sim.simulate_trace(policy, inp, chunk, cfg, int(threads), prev):
+                rows.append((r, 1, r.fwd_ms + r.bwd_ms))
         prev = chunk[-1]
-        parts.append(fields.numpy())
-        sents.append(sent.numpy())
-        reason = reason or why
-    f = np.concatenate(parts)
-    out = {k: f[:, j] for j, k in enumerate(FIELDS)}
+    layers = [r for r, _, _ in rows]
+    out = {k: np.fromiter(map(get, layers), np.float64, len(layers)) for k, get in _LAYER_GETTERS}
+    out["micro_batches"] = np.array([m for _, m, _ in rows], dtype=np.float64)
+    out["time_ms"] = np.array([t for _, _, t in rows], dtype=np.float64)
     if per_rank_bytes:
-        out["sent_N5W"] = np.concatenate(sents)
-    out["reason"] = reason
+        # infeasible layers send nothing: zeros, as their fields say no time either
+        out["sent_N5W"] = np.stack([r.sent_bytes_5W.reshape(len(SENT_KEYS), W)
+                                    if r.sent_bytes_5W.size else
+                                    np.zeros((len(SENT_KEYS), W), dtype=np.int64)
+                                    for r, _, _ in rows]).reshape(-1, len(SENT_KEYS), W)
+    out["reason"] = next((r.reason for r, _, _ in rows if not r.feasible), "")
     return out
+
+
+def sim_config(costs: Costs, links: Links, hidden: int, offload: bool = False,
+               offload_row_bytes: int = 0, elem_bytes: int = 2,
+               per_rank_bytes: bool = False) -> "_C.sim.SimConfig":
+    """The simulator's settings as a ``lrmoe._C.sim.SimConfig``, every field set by name
+    (arguments as in :func:`simulate`; the device copy of a rank's own rows runs at
+    :attr:`Costs.self_copy_GBps`).
+
+    Raises:
+        ValueError: ``costs.gemm_G4`` not (points, 4) with at least one point; a value a
+            field cannot hold (TypeError for a wrong type), naming the field.
+    """
+    g = np.asarray(costs.gemm_G4, dtype=np.float64)
+    if g.ndim != 2 or g.shape[1] != 4 or g.shape[0] < 1:
+        raise ValueError(f"costs.gemm_G4 must be (points, 4): experts, rows, forward ms, "
+                         f"backward ms, got shape {g.shape}; run `lrmoe calibrate` for a "
+                         "cost file")
+    cost = _C.sim.CostModel(
+        gemm=[_C.sim.GemmPoint(experts=e, rows=r, fwd_ms=f, bwd_ms=b) for e, r, f, b in g],
+        per_row=_C.sim.PerRowCosts(**{k: float(costs.per_row[k]) for k in PER_ROW}),
+        h2d_GBps=float(costs.h2d_GBps))
+    link = _C.sim.LinkModel(gpus_per_node=int(links.gpus_per_node),
+                            intra_GBps=float(links.intra_GBps),
+                            intra_latency_us=float(links.intra_latency_us),
+                            inter_GBps=float(links.inter_GBps),
+                            inter_latency_us=float(links.inter_latency_us),
+                            self_GBps=float(costs.self_copy_GBps))
+    return _C.sim.SimConfig(cost=cost, link=link, hidden=int(hidden), elem_bytes=int(elem_bytes),
+                            offload=bool(offload), offload_row_bytes=int(offload_row_bytes),
+                            per_rank_bytes=bool(per_rank_bytes))
 
 
 def summarize(res: dict, layers: int) -> dict:

@@ -1,6 +1,6 @@
-"""Tests of the Python face of the placement planner (lrmoe/planner/plan.py, the ``lrmoe.plan``
-op) and of ``lrmoe plan``. The planner's own logic is tested in tests/cpp/test_planner.cpp;
-here: the binding carries the plan unchanged, the byte sizes match hand arithmetic, the
+"""Tests of the Python face of the placement planner (lrmoe/planner/plan.py over the
+binding ``lrmoe._C.planner``) and of ``lrmoe plan``. The planner's own logic is tested in
+tests/cpp/test_planner.cpp (the binding's in test_planner_binding.py); here: the binding carries the plan unchanged, the byte sizes match hand arithmetic, the
 loads match hand-built counts, and the command runs end to end.
 
 References: hand-computed numbers written out below, the quota reference of conftest.py
@@ -153,13 +153,17 @@ def test_bad_input_names_the_argument(kwargs, match):
             call()
 
 
-def test_the_op_bounds_slot_counts_itself(monkeypatch):
-    """Past the Python check, the C++ op refuses slots above E rather than wrap them."""
+def test_the_binding_bounds_slot_counts_itself(monkeypatch):
+    """Past the Python check, the binding refuses slots above E (plan()) and values its
+    int32 fields cannot hold (the field itself) rather than wrap them."""
     monkeypatch.setattr(P, "check_slots", lambda *args: None)
-    for kwargs, name in ((dict(replica_slots=3), "replica_slots"),
-                         (dict(symi_slots=(1 << 32) + 1), "symi_slots")):
-        with pytest.raises((ValueError, RuntimeError),
-                           match=f"{name} must be <= the number of experts \\(E=2"):
+    for kwargs, match in (
+            (dict(replica_slots=3),
+             r"replica_slots must be <= the number of experts \(E=2"),
+            (dict(symi_slots=(1 << 32) + 1),
+             r"PlanInput.symi_slots must be an int in \[-2147483648, 2147483647\], "
+             r"got 4294967297")):
+        with pytest.raises(ValueError, match=match):
             P.plan([[1, 2], [3, 4]], "ultraep", small_memory(), **kwargs)
 
 

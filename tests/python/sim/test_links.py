@@ -24,7 +24,8 @@ def test_a_good_file_reads_as_written(tmp_path):
               "inter_node: {GBps: 43, latency_us: 20}\n")
     links = Links.from_file(str(p))
     assert links.gpus_per_node == 8 and isinstance(links.gpus_per_node, int)
-    assert links.as_list() == [8.0, 1000.0, 0.5, 43.0, 20.0, 0.0]
+    assert (links.intra_GBps, links.intra_latency_us, links.inter_GBps,
+            links.inter_latency_us) == (1000.0, 0.5, 43.0, 20.0)
     assert links.name == "n" and links.sources["intra_node.source"] == "here"
     assert links.sources["inter_node.source"] == ""
 

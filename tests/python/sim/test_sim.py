@@ -113,7 +113,7 @@ def test_calibrate_ep_times_the_ep_layer_at_size_one(tmp_path):
 
 
 def test_sim_charges_ep_costs_per_received_row_from_two_ranks():
-    """ep_fwd / ep_bwd reach the simulator in their places (PER_ROW order through the op):
+    """ep_fwd / ep_bwd reach the simulator in their places (set by name through the binding):
     fixed ownership of 8 experts over W = 2, 100 pairs per (source, expert), so each
     rank receives 2 x 4 x 100 = 800 rows: by hand +0.8 ms at 1e-3 ms per row, forward
     only for ep_fwd, backward only for ep_bwd; nothing at W = 1."""

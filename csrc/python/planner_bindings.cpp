@@ -1,0 +1,135 @@
+// lrmoe._C.planner: the placement planner (csrc/planner/plan.h) bound as a program --
+// its input and its plan as structs with named fields, and plan(policy, input).
+// lrmoe/planner/plan.py is its Python face; docs/planner.md describes every field.
+//
+// Legend (planner/plan.h): W ranks, E experts, I instances; vectors are flat and
+// row-major as in C++ (load_WE[s * E + e], forward_IW[i * W + s]), read back as 1-D
+// numpy arrays (copies: assign the whole field to change it).
+#include <pybind11/pybind11.h>
+
+#include <string>
+
+#include "planner/plan.h"
+#include "python/bindings.h"
+#include "python/fields.h"
+
+namespace lrmoe {
+namespace python {
+
+void check_slots(const planner::PlanInput& in) {
+  // slot counts above E mean nothing (a rank holds at most one instance of each
+  // expert); refused here as the old op refused them, before any policy reads them
+  const std::string E = std::to_string(in.num_experts);
+  if (in.replica_slots > in.num_experts)
+    throw py::value_error("lrmoe: replica_slots must be <= the number of experts (E=" + E +
+                          "; a rank holds at most one instance of each expert), got " +
+                          std::to_string(in.replica_slots));
+  if (in.symi_slots > in.num_experts)
+    throw py::value_error("lrmoe: symi_slots must be <= the number of experts (E=" + E +
+                          "; 0: ceil(E / W) + replica_slots), got " +
+                          std::to_string(in.symi_slots));
+}
+
+void bind_planner(py::module_ m) {
+  using planner::MemoryBreakdown;
+  using planner::MemoryModel;
+  using planner::Plan;
+  using planner::PlanInput;
+
+  py::enum_<core::QuotaRule>(m, "QuotaRule", "Retention quota rule (docs/algorithm.md).")
+      .value("proportional", core::QuotaRule::kProportional)
+      .value("water_level", core::QuotaRule::kWaterLevel);
+  py::enum_<planner::PolicyKind>(m, "PolicyKind", "Placement policy (docs/planner.md).")
+      .value("fixed", planner::PolicyKind::kFixed)
+      .value("ultraep", planner::PolicyKind::kUltraEP)
+      .value("symi", planner::PolicyKind::kSymi)
+      .value("lrmoe", planner::PolicyKind::kLRMoE);
+  py::enum_<planner::Binding>(m, "Binding", "The constraint that makes a plan infeasible.")
+      .value("none", planner::Binding::kNone)
+      .value("memory", planner::Binding::kMemory)
+      .value("backward_row_capacity", planner::Binding::kRowCapacity)
+      .value("replica_slots", planner::Binding::kReplicaSlots);
+
+  Struct<MemoryModel>(m, "MemoryModel", "Bytes of one expert copy and one token row on a rank.")
+      .field("expert_weight_bytes", &MemoryModel::expert_weight_bytes, "one copy's weights, bytes")
+      .field("expert_grad_bytes", &MemoryModel::expert_grad_bytes,
+             "one copy's gradient buffer, bytes")
+      .field("expert_optimizer_bytes", &MemoryModel::expert_optimizer_bytes,
+             "master weights + Adam moments of one expert, bytes")
+      .field("optimizer_on_device", &MemoryModel::optimizer_on_device,
+             "False: optimizer state on the host")
+      .field("forward_row_bytes", &MemoryModel::forward_row_bytes, "per routed row computed, bytes")
+      .field("backward_row_bytes", &MemoryModel::backward_row_bytes, "per retained row, bytes")
+      .field("budget_bytes", &MemoryModel::budget_bytes, "B: device memory per GPU, bytes")
+      .field("resident_bytes", &MemoryModel::resident_bytes,
+             "bytes outside this layer's experts and token buffers")
+      .done();
+
+  Struct<PlanInput>(m, "PlanInput", "What a policy reads (planner/plan.h PlanInput).")
+      .field("num_ranks", &PlanInput::num_ranks, "W, int32")
+      .field("num_experts", &PlanInput::num_experts, "E, int32")
+      .field("load_WE", &PlanInput::load_WE,
+             "(W * E,) int64 routed pairs L[s][e], row-major; any int array-like is flattened")
+      .field("memory", &PlanInput::memory, "MemoryModel")
+      .field("recalibration_rate", &PlanInput::recalibration_rate, "c in [0, 1)")
+      .field("quota_rule", &PlanInput::quota_rule, "QuotaRule (or its name)")
+      .field("replica_slots", &PlanInput::replica_slots, "R spare expert slots per rank, int32")
+      .field("symi_slots", &PlanInput::symi_slots, "S slots per GPU for symi (0: ceil(E / W) + R)")
+      .field("previous_load_E", &PlanInput::previous_load_E,
+             "(E,) int64 previous popularity for symi (empty: the current loads)")
+      .field("max_expert_cut", &PlanInput::max_expert_cut,
+             "lrmoe keeps at least (1 - this) n_e of every expert")
+      .field("backward_row_capacity", &PlanInput::backward_row_capacity,
+             "most retained rows per rank (0: memory only)")
+      .field("balance_slack", &PlanInput::balance_slack,
+             "lrmoe's balance target (1 + this) x the mean retained rows (< 0: off)")
+      .field("min_replica_rows", &PlanInput::min_replica_rows, "ultraep u_min")
+      .done();
+
+  Struct<MemoryBreakdown>(m, "MemoryBreakdown", "Per-rank bytes of a layer (planner/plan.h).")
+      .field("base_experts", &MemoryBreakdown::base_experts, "owned experts, bytes")
+      .field("replicas", &MemoryBreakdown::replicas, "replica copies, bytes")
+      .field("forward_tokens", &MemoryBreakdown::forward_tokens, "forward rows, bytes")
+      .field("backward_tokens", &MemoryBreakdown::backward_tokens, "retained rows, bytes")
+      .def("total", &MemoryBreakdown::total, "the sum of the four parts, bytes")
+      .done();
+
+  Struct<Plan>(m, "Plan", "What a policy decides (planner/plan.h Plan).")
+      .field("policy", &Plan::policy, "PolicyKind")
+      .field("num_ranks", &Plan::num_ranks, "W")
+      .field("num_experts", &Plan::num_experts, "E")
+      .field("instance_offsets", &Plan::instance_offsets,
+             "(E + 1,) int32; expert e's instances are [offsets[e], offsets[e + 1]), owner first")
+      .field("instance_rank", &Plan::instance_rank, "(I,) int32 rank of each instance")
+      .field("forward_IW", &Plan::forward_IW, "(I * W,) int64 forward rows, row-major")
+      .field("retained_IW", &Plan::retained_IW, "(I * W,) int64 retained rows, row-major")
+      .field("quota_E", &Plan::quota_E, "(E,) int64 retention quotas")
+      .field("fixed_rows_W", &Plan::fixed_rows_W,
+             "(W,) int64 rows under fixed ownership (empty where E % W != 0)")
+      .field("forward_rows_W", &Plan::forward_rows_W, "(W,) int64 forward rows per rank")
+      .field("backward_rows_W", &Plan::backward_rows_W, "(W,) int64 retained rows per rank")
+      .field("memory_W", &Plan::memory_W, "list of W MemoryBreakdown")
+      .field("limit_bytes", &Plan::limit_bytes, "budget - resident, bytes")
+      .field("replicas", &Plan::replicas, "instances beyond the owners")
+      .field("feasible", &Plan::feasible, "every rank within its limits")
+      .field("binding", &Plan::binding, "Binding")
+      .field("binding_rank", &Plan::binding_rank, "the rank furthest over (-1: none)")
+      .field("shortfall", &Plan::shortfall, "bytes (memory) or rows over the limit")
+      .field("reason", &Plan::reason, "why it does not fit ('' when it fits)")
+      .def("num_instances", &Plan::num_instances, "I")
+      .done();
+
+  m.def(
+      "plan",
+      [](const std::string& policy, const PlanInput& input) {
+        check_slots(input);
+        return planner::make_plan(policy, input);
+      },
+      py::arg("policy"), py::arg("input"),
+      "plan(policy, input) -> Plan: plan `input` with the policy named fixed, ultraep, symi "
+      "or lrmoe (planner::make_plan).\n\nRaises ValueError naming the bad field (the "
+      "planner's std::invalid_argument messages).");
+}
+
+}  // namespace python
+}  // namespace lrmoe

@@ -1,0 +1,211 @@
+// lrmoe._C.sim: the cluster simulator (csrc/sim/sim.h) bound as a program -- its cost,
+// link and run settings and its per-layer results as structs with named fields, and its
+// entry points. lrmoe/sim/simulate.py is its Python face; docs/simulation.md gives every
+// formula.
+//
+// Legend (sim/sim.h): S steps, Lyr layers, W ranks, E experts; times ms, bytes plain,
+// bandwidths GB/s. Loads come in as int numpy arrays (S, Lyr, W, E); the GIL is released
+// while the simulator runs (simulate_trace runs on its own threads).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <string>
+#include <vector>
+
+#include "python/bindings.h"
+#include "python/fields.h"
+#include "sim/sim.h"
+
+namespace lrmoe {
+namespace python {
+namespace {
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "(";
+  for (size_t j = 0; j < shape.size(); ++j) s += (j ? ", " : "") + std::to_string(shape[j]);
+  return s + (shape.size() == 1 ? ",)" : ")");
+}
+
+// The loads of `input`'s W x E cluster, with `dims` leading axes; their leading sizes.
+std::vector<int64_t> cluster_loads(py::handle v, const char* name, const char* axes,
+                                   size_t dims, const planner::PlanInput& input,
+                                   std::vector<int64_t>* lead) {
+  std::vector<int64_t> shape;
+  std::vector<int64_t> out = int_vector<int64_t>(v, name, &shape);
+  if (shape.size() != dims + 2 || shape[dims] != input.num_ranks ||
+      shape[dims + 1] != input.num_experts)
+    throw py::value_error(std::string(name) + " must be " + axes + "W=" +
+                          std::to_string(input.num_ranks) + ", E=" +
+                          std::to_string(input.num_experts) +
+                          ") (input.num_ranks, input.num_experts), got shape " +
+                          shape_text(shape));
+  lead->assign(shape.begin(), shape.begin() + static_cast<std::ptrdiff_t>(dims));
+  return out;
+}
+
+}  // namespace
+
+void bind_sim(py::module_ m) {
+  using sim::CostModel;
+  using sim::GemmPoint;
+  using sim::LayerResult;
+  using sim::LinkModel;
+  using sim::PerRowCosts;
+  using sim::PressureResult;
+  using sim::SimConfig;
+
+  Struct<GemmPoint>(m, "GemmPoint", "One calibrated grouped-GEMM point of one rank.")
+      .field("experts", &GemmPoint::experts, "experts per rank")
+      .field("rows", &GemmPoint::rows, "rows per expert")
+      .field("fwd_ms", &GemmPoint::fwd_ms, "forward ms")
+      .field("bwd_ms", &GemmPoint::bwd_ms, "backward ms")
+      .done();
+
+  // the names are lrmoe/sim/costs.py PER_ROW's, which fills them by name
+  Struct<PerRowCosts>(m, "PerRowCosts", "ms per routed (or retained) row of each non-GEMM step.")
+      .field("router", &PerRowCosts::router, "ms per source pair, forward")
+      .field("permute", &PerRowCosts::permute, "ms per source pair, forward")
+      .field("combine", &PerRowCosts::combine, "ms per source pair, forward")
+      .field("fwd_rest", &PerRowCosts::fwd_rest, "ms per source pair, forward")
+      .field("router_grad", &PerRowCosts::router_grad, "ms per source pair, backward")
+      .field("score", &PerRowCosts::score, "ms per source pair, backward")
+      .field("select", &PerRowCosts::select, "ms per source pair, backward")
+      .field("bwd_rest", &PerRowCosts::bwd_rest, "ms per source pair, backward")
+      .field("compact", &PerRowCosts::compact, "ms per retained row on the expert rank")
+      .field("scatter", &PerRowCosts::scatter, "ms per retained row on the source rank")
+      .field("ep_fwd", &PerRowCosts::ep_fwd, "EP layer's own ms per forward row (W > 1)")
+      .field("ep_bwd", &PerRowCosts::ep_bwd, "EP layer's own ms per retained row (W > 1)")
+      .done();
+
+  Struct<CostModel>(m, "CostModel", "The calibrated cost model (lrmoe calibrate).")
+      .field("gemm", &CostModel::gemm, "list of GemmPoint, any order, at least one")
+      .field("per_row", &CostModel::per_row, "PerRowCosts")
+      .field("h2d_GBps", &CostModel::h2d_GBps, "host <-> device GB/s (0: offload not timed)")
+      .done();
+
+  Struct<LinkModel>(m, "LinkModel", "All-to-all links per GPU (configs/links/*.yaml).")
+      .field("gpus_per_node", &LinkModel::gpus_per_node, "G")
+      .field("intra_GBps", &LinkModel::intra_GBps, "NVLink GB/s")
+      .field("intra_latency_us", &LinkModel::intra_latency_us, "NVLink us per collective")
+      .field("inter_GBps", &LinkModel::inter_GBps, "network GB/s")
+      .field("inter_latency_us", &LinkModel::inter_latency_us, "network us per collective")
+      .field("self_GBps", &LinkModel::self_GBps, "device copy of a rank's own rows (0: free)")
+      .done();
+
+  Struct<SimConfig>(m, "SimConfig", "Costs, links and sizes of a simulated layer.")
+      .field("cost", &SimConfig::cost, "CostModel")
+      .field("link", &SimConfig::link, "LinkModel")
+      .field("hidden", &SimConfig::hidden, "H")
+      .field("elem_bytes", &SimConfig::elem_bytes, "bytes per activation element (bf16: 2)")
+      .field("offload", &SimConfig::offload, "saved activations in host memory")
+      .field("offload_row_bytes", &SimConfig::offload_row_bytes,
+             "saved bytes per forward row moved to the host")
+      .field("per_rank_bytes", &SimConfig::per_rank_bytes, "fill LayerResult.sent_bytes_5W")
+      .done();
+
+  // lrmoe/sim/simulate.py FIELDS (its result keys) are derived from these fields, in
+  // this order: keep the order of sim/sim.h LayerResult
+  Struct<LayerResult>(m, "LayerResult", "One MoE layer of one step, simulated (sim/sim.h).")
+      .field("feasible", &LayerResult::feasible, "the plan fits")
+      .field("binding", &LayerResult::binding, "lrmoe._C.planner.Binding")
+      .field("reason", &LayerResult::reason, "the planner's, when infeasible")
+      .field("fwd_ms", &LayerResult::fwd_ms, "forward ms (NaN when infeasible)")
+      .field("bwd_ms", &LayerResult::bwd_ms, "backward ms")
+      .field("src_fwd_ms", &LayerResult::src_fwd_ms, "ms")
+      .field("dispatch_ms", &LayerResult::dispatch_ms, "ms")
+      .field("expert_fwd_ms", &LayerResult::expert_fwd_ms, "ms")
+      .field("combine_ms", &LayerResult::combine_ms, "ms")
+      .field("src_bwd_ms", &LayerResult::src_bwd_ms, "ms")
+      .field("grad_a2a_ms", &LayerResult::grad_a2a_ms, "ms")
+      .field("expert_bwd_ms", &LayerResult::expert_bwd_ms, "ms")
+      .field("dx_a2a_ms", &LayerResult::dx_a2a_ms, "ms")
+      .field("replica_ms", &LayerResult::replica_ms, "exposed ms")
+      .field("offload_ms", &LayerResult::offload_ms, "exposed ms")
+      .field("fwd_link_bytes", &LayerResult::fwd_link_bytes, "bytes over links, all ranks")
+      .field("bwd_link_bytes", &LayerResult::bwd_link_bytes, "bytes over links, all ranks")
+      .field("replica_bytes", &LayerResult::replica_bytes, "bytes")
+      .field("offload_bytes", &LayerResult::offload_bytes, "bytes")
+      .field("sent_bytes_5W", &LayerResult::sent_bytes_5W,
+             "(5 * W,) int64 bytes each rank sends into forward_dispatch, forward_combine, "
+             "backward_grad, backward_index, backward_dx (empty unless per_rank_bytes)")
+      .field("memory_max", &LayerResult::memory_max,
+             "lrmoe._C.planner.MemoryBreakdown: each part's maximum over ranks")
+      .field("memory_peak", &LayerResult::memory_peak, "the largest rank's total, bytes")
+      .field("limit_bytes", &LayerResult::limit_bytes, "budget - resident, bytes")
+      .field("replicas", &LayerResult::replicas, "instances beyond the owners")
+      .field("pairs", &LayerResult::pairs, "routed pairs")
+      .field("retained", &LayerResult::retained, "retained pairs")
+      .field("fwd_imbalance", &LayerResult::fwd_imbalance, "max / mean forward rows per rank")
+      .field("bwd_imbalance", &LayerResult::bwd_imbalance, "max / mean retained rows per rank")
+      .done();
+
+  Struct<PressureResult>(m, "PressureResult", "Batch pressure of one layer (sim/sim.h).")
+      .field("micro_batches", &PressureResult::micro_batches, "micro-batches (0: none fits)")
+      .field("time_ms", &PressureResult::time_ms, "k x (fwd + bwd); NaN when none fits")
+      .field("layer", &PressureResult::layer, "LayerResult of the micro-batch that fits")
+      .done();
+
+  m.def(
+      "simulate_layer",
+      [](const std::string& policy, const planner::PlanInput& input, const SimConfig& config) {
+        check_slots(input);
+        return sim::simulate_layer(policy, input, config);
+      },
+      py::arg("policy"), py::arg("input"), py::arg("config"),
+      "simulate_layer(policy, input, config) -> LayerResult: plan input.load_WE, then time "
+      "it.\n\nRaises ValueError naming the bad field.");
+
+  m.def(
+      "simulate_trace",
+      [](const std::string& policy, const planner::PlanInput& input, py::handle loads_SLWE,
+         const SimConfig& config, int32_t threads, py::handle previous_LWE) {
+        check_slots(input);
+        std::vector<int64_t> lead, prev_lead;
+        const std::vector<int64_t> loads = cluster_loads(
+            loads_SLWE, "loads_SLWE", "(steps, layers, ", 2, input, &lead);
+        std::vector<int64_t> prev;
+        if (!previous_LWE.is_none()) {
+          prev = cluster_loads(previous_LWE, "previous_LWE", "(layers, ", 1, input, &prev_lead);
+          if (prev_lead[0] != lead[1])
+            throw py::value_error("previous_LWE must hold the " + std::to_string(lead[1]) +
+                                  " layers of loads_SLWE, got " + std::to_string(prev_lead[0]));
+        }
+        const planner::PlanInput base = input;  // copies: Python may not touch them meanwhile
+        const SimConfig cfg = config;
+        std::vector<LayerResult> out;
+        {
+          py::gil_scoped_release nogil;
+          out = sim::simulate_trace(policy, base, loads, lead[0], lead[1], cfg, threads,
+                                    prev.empty() ? nullptr : &prev);
+        }
+        py::list results;
+        for (auto& r : out) results.append(py::cast(std::move(r)));
+        return results;
+      },
+      py::arg("policy"), py::arg("input"), py::arg("loads_SLWE"), py::arg("config"),
+      py::arg("threads") = 1, py::arg("previous_LWE") = py::none(),
+      "simulate_trace(policy, input, loads_SLWE, config, threads=1, previous_LWE=None) -> "
+      "list of S x Lyr LayerResult in (step, layer) order.\n\nloads_SLWE: (S, Lyr, W, E) "
+      "ints for input's W, E (input.load_WE is not read); previous_LWE: (Lyr, W, E), the "
+      "step before (symi's popularity for the first step). Raises ValueError naming the "
+      "bad argument or field.");
+
+  m.def(
+      "simulate_pressure",
+      [](const std::string& policy, const planner::PlanInput& input, double multiplier,
+         int32_t max_micro_batches, const SimConfig& config) {
+        check_slots(input);
+        const planner::PlanInput base = input;
+        const SimConfig cfg = config;
+        py::gil_scoped_release nogil;
+        return sim::simulate_pressure(policy, base, multiplier, max_micro_batches, cfg);
+      },
+      py::arg("policy"), py::arg("input"), py::arg("multiplier"), py::arg("max_micro_batches"),
+      py::arg("config"),
+      "simulate_pressure(policy, input, multiplier, max_micro_batches, config) -> "
+      "PressureResult: input.load_WE x multiplier, split into up to max_micro_batches "
+      "micro-batches until one fits.\n\nRaises ValueError naming the bad argument or field.");
+}
+
+}  // namespace python
+}  // namespace lrmoe

@@ -1,0 +1,105 @@
+"""Tests of the simulator's pybind11 binding ``lrmoe._C.sim`` (csrc/python/sim_bindings.cpp)
+and of lrmoe/sim/simulate.py reading it by name: the result keys are the documented ones,
+the cost and link fields set by name reach their places in a one-rank toy worked out by
+hand, and a bad field or argument is refused naming it.
+
+References: the result keys as documented before the binding (written out below) and
+hand arithmetic on a one-GEMM-point cost model.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lrmoe import _C
+from lrmoe.planner.plan import MemoryModel
+from lrmoe.sim import simulate as S
+from lrmoe.sim.costs import PER_ROW, Costs
+from lrmoe.sim.links import Links
+
+B = _C.sim
+
+#: the result keys of simulate(), in order, as they were written out by hand before they
+#: were derived from the binding
+DOCUMENTED = ("feasible", "binding", "fwd_ms", "bwd_ms", "src_fwd_ms", "dispatch_ms",
+              "expert_fwd_ms", "combine_ms", "src_bwd_ms", "grad_a2a_ms", "expert_bwd_ms",
+              "dx_a2a_ms", "replica_ms", "offload_ms", "fwd_link_bytes", "bwd_link_bytes",
+              "replica_bytes", "offload_bytes", "memory_base_experts", "memory_replicas",
+              "memory_forward_tokens", "memory_backward_tokens", "memory_peak", "limit_bytes",
+              "replicas", "pairs", "retained", "fwd_imbalance", "bwd_imbalance",
+              "micro_batches", "time_ms")
+
+
+def test_the_result_keys_derived_from_the_binding_are_the_documented_ones():
+    assert S.FIELDS == DOCUMENTED
+    assert set(B.PerRowCosts._fields) == set(PER_ROW)
+
+
+def toy(**per_row):
+    """One rank, one expert, 100 pairs; one GEMM point at exactly (1 expert, 100 rows):
+    forward 1 ms, backward 2 ms; every per-row cost 0 unless given."""
+    costs = Costs("toy", {}, np.array([[1, 100, 1.0, 2.0]]), {k: 0.0 for k in PER_ROW} | per_row,
+                  0.0, {})
+    memory = MemoryModel(0, 0, 0, 0, 0, budget_bytes=1 << 40, resident_bytes=0)
+    return np.full((2, 1, 1, 1), 100, dtype=np.int64), memory, costs
+
+
+def test_named_costs_reach_their_phases_in_a_hand_computed_toy():
+    load, memory, costs = toy()
+    r = S.simulate(load, "fixed", memory, costs, Links.from_file(), hidden=64, replica_slots=0,
+                   threads=1)
+    # W = 1: no all-to-all; the GEMM point itself, nothing else
+    np.testing.assert_array_equal(r["expert_fwd_ms"], [1.0, 1.0])
+    np.testing.assert_array_equal(r["expert_bwd_ms"], [2.0, 2.0])
+    np.testing.assert_array_equal(r["time_ms"], [3.0, 3.0])
+    np.testing.assert_array_equal(r["micro_batches"], [1.0, 1.0])
+    np.testing.assert_array_equal(r["pairs"], [100.0, 100.0])
+    assert r["feasible"].tolist() == [1.0, 1.0] and r["reason"] == ""
+    # router: 0.01 ms per source pair of the forward -> 100 x 0.01 = 1 ms more, there only
+    load, memory, costs = toy(router=0.01)
+    r = S.simulate(load, "fixed", memory, costs, Links.from_file(), hidden=64, replica_slots=0)
+    assert r["src_fwd_ms"].tolist() == pytest.approx([1.0, 1.0])
+    assert r["fwd_ms"].tolist() == pytest.approx([2.0, 2.0])
+    assert r["src_bwd_ms"].tolist() == [0.0, 0.0]
+
+
+def test_the_config_structs_write_through_and_refuse_bad_values():
+    cfg = B.SimConfig(hidden=64)
+    cfg.cost.per_row.router = 0.5  # nested: written into cfg itself
+    cfg.link.gpus_per_node = 4
+    assert cfg.cost.per_row.router == 0.5 and cfg.link.gpus_per_node == 4 and cfg.hidden == 64
+    with pytest.raises(TypeError, match=r"SimConfig.hidden must be an int, got '64'"):
+        cfg.hidden = "64"
+    with pytest.raises(ValueError, match=r"LinkModel.gpus_per_node must be an int in"):
+        cfg.link.gpus_per_node = 1 << 40
+    with pytest.raises(TypeError, match=r"CostModel.gemm\[1\] must be a GemmPoint"):
+        cfg.cost.gemm = [B.GemmPoint(experts=1, rows=1, fwd_ms=1, bwd_ms=1), (1, 1, 1, 1)]
+    with pytest.raises(TypeError, match="PerRowCosts has no field 'routr'"):
+        B.PerRowCosts(routr=1.0)
+
+
+def test_bad_arguments_of_the_entry_points_are_named():
+    inp = _C.planner.PlanInput(num_ranks=2, num_experts=4, replica_slots=0,
+                               memory=_C.planner.MemoryModel(budget_bytes=1 << 40))
+    cfg = B.SimConfig(hidden=64, link=B.LinkModel(intra_GBps=100.0, inter_GBps=10.0))
+    cfg.cost.gemm = [B.GemmPoint(experts=1, rows=1, fwd_ms=1.0, bwd_ms=1.0)]
+    good = np.ones((1, 1, 2, 4), dtype=np.int64)
+    assert len(B.simulate_trace("fixed", inp, good, cfg, threads=2)) == 1
+    with pytest.raises(ValueError, match=r"loads_SLWE must be \(steps, layers, W=2, E=4\).*"
+                                         r"got shape \(1, 2, 4\)"):
+        B.simulate_trace("fixed", inp, good[0], cfg)
+    with pytest.raises(TypeError, match="loads_SLWE must hold ints, got dtype float64"):
+        B.simulate_trace("fixed", inp, good * 0.5, cfg)
+    with pytest.raises(ValueError, match=r"previous_LWE must be \(layers, W=2, E=4\)"):
+        B.simulate_trace("fixed", inp, good, cfg, previous_LWE=good)
+    cfg.link.gpus_per_node = 0
+    with pytest.raises(ValueError, match="gpus_per_node must be >= 1"):
+        B.simulate_trace("fixed", inp, good, cfg)
+    cfg.link.gpus_per_node = 8
+    inp.load_WE = [1] * 8
+    with pytest.raises(ValueError, match="max_micro_batches must be >= 1"):
+        B.simulate_pressure("fixed", inp, 2.0, 0, cfg)
+    with pytest.raises(ValueError, match=r"costs.gemm_G4 must be \(points, 4\)"):
+        S.simulate(good, "fixed", MemoryModel(0, 0, 0, 0, 0, 1 << 40, 0),
+                   Costs("t", {}, np.zeros((0, 4)), {k: 0.0 for k in PER_ROW}, 0.0, {}),
+                   Links.from_file(), hidden=64)
