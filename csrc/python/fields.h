@@ -37,9 +37,13 @@ struct is_vector : std::false_type {};
 template <typename T>
 struct is_vector<std::vector<T>> : std::true_type {};
 
+// str(v) as a std::string. Taking a handle keeps the call unambiguous: py::str(int_) has
+// two candidate constructors under GCC 13 with pybind11 3 (the H200 image's build failed).
+inline std::string text(py::handle v) { return py::str(v).cast<std::string>(); }
+
 inline std::string describe(py::handle v) {
   return py::repr(v).cast<std::string>() + " (" +
-         py::str(py::type::of(v).attr("__name__")).cast<std::string>() + ")";
+         text(py::type::of(v).attr("__name__")) + ")";
 }
 
 template <typename I>
@@ -65,7 +69,7 @@ std::vector<I> int_vector(py::handle v, const std::string& where,
   // np.asarray([]) is float64: an empty list is an empty array of ints
   if (a.size() > 0 && kind != 'i' && kind != 'u')
     throw py::type_error(where + " must hold ints, got dtype " +
-                         py::str(a.dtype()).cast<std::string>());
+                         text(a.dtype()));
   // only a wider or unsigned source can hold values I cannot (the min/max scans cost
   // more than the copy)
   const auto size = static_cast<size_t>(a.itemsize());
@@ -74,8 +78,8 @@ std::vector<I> int_vector(py::handle v, const std::string& where,
     if (lo < py::int_(std::numeric_limits<I>::min()) ||
         hi > py::int_(std::numeric_limits<I>::max()))
       throw py::value_error(where + " must hold values in " + int_range<I>() + ", got " +
-                            py::str(lo).cast<std::string>() + " .. " +
-                            py::str(hi).cast<std::string>());
+                            text(lo) + " .. " +
+                            text(hi));
   }
   if (shape) shape->assign(a.shape(), a.shape() + a.ndim());
   const auto c = py::array_t<I, py::array::c_style | py::array::forcecast>::ensure(a);
@@ -101,7 +105,7 @@ T from_python(py::handle v, const std::string& where) {
     const long long x = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
     if (overflow || x < std::numeric_limits<T>::min() || x > std::numeric_limits<T>::max())
       throw py::value_error(where + " must be an int in " + int_range<T>() + ", got " +
-                            py::str(i).cast<std::string>());
+                            text(i));
     return static_cast<T>(x);
   } else if constexpr (std::is_floating_point_v<T>) {
     if (PyBool_Check(p) || PyUnicode_Check(p) || PyBytes_Check(p))
@@ -128,9 +132,9 @@ T from_python(py::handle v, const std::string& where) {
     }
     std::string names;
     for (const auto& kv : members)
-      names += (names.empty() ? "" : ", ") + py::str(kv.first).cast<std::string>();
+      names += (names.empty() ? "" : ", ") + text(kv.first);
     throw py::value_error(where + " must be one of " + names + " (a name or a member of " +
-                          py::str(type.attr("__name__")).cast<std::string>() + "), got " +
+                          text(type.attr("__name__")) + "), got " +
                           describe(v));
   } else if constexpr (is_vector<T>::value) {
     using E = typename T::value_type;
@@ -139,7 +143,7 @@ T from_python(py::handle v, const std::string& where) {
     } else {  // a vector of bound structs: any sequence of them
       if (!py::isinstance<py::sequence>(v) || PyUnicode_Check(p))
         throw py::type_error(where + " must be a list of " +
-                             py::str(py::type::of<E>().attr("__name__")).cast<std::string>() +
+                             text(py::type::of<E>().attr("__name__")) +
                              ", got " + describe(v));
       T out;
       size_t j = 0;
@@ -150,7 +154,7 @@ T from_python(py::handle v, const std::string& where) {
   } else {  // a bound struct
     if (!py::isinstance<T>(v))
       throw py::type_error(where + " must be a " +
-                           py::str(py::type::of<T>().attr("__name__")).cast<std::string>() +
+                           text(py::type::of<T>().attr("__name__")) +
                            ", got " + describe(v));
     return v.cast<T>();
   }
@@ -218,7 +222,7 @@ class __attribute__((visibility("hidden"))) Struct {
     cls_.def(py::init([setters, cname, all](const py::kwargs& kw) {
                S s{};
                for (const auto& kv : kw) {
-                 const std::string k = py::str(kv.first).cast<std::string>();
+                 const std::string k = text(kv.first);
                  const auto f = std::find_if(setters->begin(), setters->end(),
                                              [&k](const auto& e) { return e.first == k; });
                  if (f == setters->end())
