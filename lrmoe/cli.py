@@ -17,9 +17,28 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 
+def _add_backward_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per :class:`lrmoe.BackwardConfig` field whose metadata names one (type,
+    choices and help from the field: a new knob gets its flag where it is declared)."""
+    import dataclasses
+    import typing
+
+    from lrmoe.moe.config import BackwardConfig
+
+    hints = typing.get_type_hints(BackwardConfig)
+    for f in dataclasses.fields(BackwardConfig):
+        meta = f.metadata
+        if not meta.get("flag"):
+            continue
+        names = [meta["short"], meta["flag"]] if meta.get("short") else [meta["flag"]]
+        kind = hints[f.name]
+        p.add_argument(*names, dest=f"lrmoe.{f.name}", metavar=meta.get("metavar"),
+                       type=None if meta.get("choices") else kind,
+                       choices=meta.get("choices"),
+                       help=f"{meta['help']} (lrmoe.{f.name})")
+
+
 def _add_train_parser(sub: Any) -> None:
-    from lrmoe.moe.offload import OFFLOAD_MODES
-    from lrmoe.ops import METRICS, QUOTA_RULES, SELECTIONS
     from lrmoe.planner.plan import POLICIES
     from lrmoe.training.train import PRESETS
 
@@ -42,19 +61,7 @@ def _add_train_parser(sub: Any) -> None:
                    help="override one key (repeatable), e.g. --set optim.lr=1e-3 --set "
                         "model.num_experts=16; the bare name also works (--set lr=1e-3 = "
                         "optim.lr); values are YAML")
-    p.add_argument("-c", "--recalibration-rate", type=float, metavar="C",
-                   help="LRMoE recalibration rate c in [0, 1) (share of pairs whose expert "
-                        "backward is dropped)")
-    p.add_argument("--retained-mass-target", type=float, metavar="RHO",
-                   help="adaptive rate: per layer and step drop the most pairs (at most -c) "
-                        "that keep the retained score mass >= RHO "
-                        "(lrmoe.retained_mass_target)")
-    p.add_argument("--metric", choices=METRICS, help="LRMoE pair score")
-    p.add_argument("--quota-rule", choices=QUOTA_RULES, help="LRMoE per-expert quota rule")
-    p.add_argument("--selection", choices=SELECTIONS, help="LRMoE pair selection")
-    p.add_argument("--offload", choices=OFFLOAD_MODES,
-                   help="activations: keep the expert forward's saved rows in pinned host "
-                        "memory, reload only the kept rows (lrmoe.offload)")
+    _add_backward_flags(p)
     p.add_argument("--steps", type=int, help="optimizer steps")
     p.add_argument("--data", metavar="SPEC", help="gcide | alpaca:PATH | text:PATH")
     p.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json to use instead of "
@@ -287,11 +294,8 @@ class _HelpFormatter(argparse.HelpFormatter):
 def train_overrides(args: argparse.Namespace) -> Dict[str, Any]:
     """The direct flags of ``lrmoe train`` (parsed by :func:`build_parser`) as flat config
     keys for :func:`lrmoe.training.train.build_config` (None: not given)."""
-    return {"recalibration_rate": args.recalibration_rate,
-            "retained_mass_target": args.retained_mass_target, "metric": args.metric,
-            "quota_rule": args.quota_rule, "selection": args.selection, "steps": args.steps,
-            "offload": args.offload,
-            "data": args.data, "tokenizer": args.tokenizer, "init_from": args.init_from,
+    backward = {k: v for k, v in vars(args).items() if k.startswith("lrmoe.")}
+    return {**backward, "steps": args.steps, "data": args.data, "tokenizer": args.tokenizer, "init_from": args.init_from,
             "out_dir": args.out_dir, "device": args.device, "record_trace": args.record_trace,
             "ep_size": args.ep_size, "dp_size": args.dp_size, "tensorboard": args.tensorboard,
             "time_moe": args.time_moe, "policy": args.policy,

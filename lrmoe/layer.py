@@ -96,7 +96,7 @@ class MoECore:
             ValueError: ``retained_mass_target`` > 0 under EP (the adaptive rate is one
                 device only: EP fixes its quotas in the forward).
         """
-        if config.offload != "none" and not torch.is_grad_enabled():
+        if config.backward.offload != "none" and not torch.is_grad_enabled():
             config = config.replace(offload="none")  # no backward follows: keep nothing
         return self.routes.run(config, x_TH, routing, w_gate_up_E2IH, w_down_EHI,
                                self.stats)
@@ -233,10 +233,12 @@ class MoELayerBase(nn.Module):
         return self.core.ep_group
 
     def set_recalibration(self, **changes) -> None:
-        """Change planned-backward settings (e.g. ``recalibration_rate=0.2``) in place.
+        """Change planned-backward settings (:class:`lrmoe.BackwardConfig` fields, e.g.
+        ``recalibration_rate=0.2``, or the aux-loss coefficients) in place.
 
         Raises:
             ValueError: an invalid value, naming the field.
+            TypeError: an unknown field.
         """
         self.config = self.config.replace(**changes)
 

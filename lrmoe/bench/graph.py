@@ -38,14 +38,14 @@ def check_capturable(config: LRMoEConfig) -> None:
             ``retained_mass_target > 0`` (the adaptive rate decides R on the host from
             each step's scores: one host sync, which capture forbids).
     """
-    if not config.selective_backward:
+    if not config.backward.selective_backward:
         return
-    if config.metric == "random" or config.selection == "importance":
+    if config.backward.metric == "random" or config.backward.selection == "importance":
         raise ValueError("--cuda-graph: metric 'random' and selection 'importance' draw "
                          "with a seed that advances every backward, but a graph replays "
                          "the seed of its capture; use metric lrm/grad_sq/grad_abs with "
                          "selection topk, or time without --cuda-graph")
-    if config.retained_mass_target > 0:
+    if config.backward.retained_mass_target > 0:
         raise ValueError("--cuda-graph: retained_mass_target (the adaptive rate) chooses R "
                          "on the host every step (one sync), which a CUDA graph cannot "
                          "hold; use a fixed recalibration_rate")

@@ -57,7 +57,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from lrmoe.moe.config import LRMoEConfig
+from lrmoe.moe.config import BACKWARD_FIELDS, BackwardConfig, LRMoEConfig
 from lrmoe.moe.stats import dropped_fraction
 from lrmoe.layer import MoECore, MoELayerBase
 from lrmoe.moe.router import Routing, _check_finite
@@ -80,9 +80,8 @@ if transformers.__version__ != TESTED_TRANSFORMERS_VERSION:  # pragma: no cover
         "installed; if a block's code changed, the patched model may differ from the "
         "unpatched one (pip install transformers==5.17.0)", stacklevel=2)
 
-#: settings of the planned backward, taken from the caller
-PLANNED_BACKWARD_FIELDS = ("recalibration_rate", "metric", "quota_rule", "selection", "seed",
-                           "selective_backward", "retained_mass_target", "offload")
+#: settings of the planned backward, taken from the caller (:class:`lrmoe.BackwardConfig`)
+PLANNED_BACKWARD_FIELDS = BACKWARD_FIELDS
 #: coefficients of ``layer.aux_loss`` (default: the model's ``router_aux_loss_coef``, 0)
 LAYER_LOSS_FIELDS = ("router_aux_loss_coef", "router_z_loss_coef")
 #: read from the transformers model, never from the caller
@@ -224,8 +223,8 @@ class TransformersMoELayer(MoELayerBase):
         c = self.config
         return (f"model_type={self.model_type}, layer_index={self.layer_index}, "
                 f"E={c.num_experts}, K={c.top_k}, H={c.hidden_size}, "
-                f"I={c.moe_intermediate_size}, recalibration_rate={c.recalibration_rate}, "
-                f"metric={c.metric}, quota_rule={c.quota_rule}, selection={c.selection}")
+                f"I={c.moe_intermediate_size}, recalibration_rate={c.backward.recalibration_rate}, "
+                f"metric={c.backward.metric}, quota_rule={c.backward.quota_rule}, selection={c.backward.selection}")
 
 
 # ------------------------------------------------------------------------------ settings
@@ -236,6 +235,10 @@ def _resolve_settings(settings: Any, overrides: Dict[str, Any]) -> Dict[str, Any
         pass
     elif isinstance(settings, Mapping):
         out.update(settings)
+    elif isinstance(settings, BackwardConfig):
+        out.update({f: getattr(settings, f) for f in BACKWARD_FIELDS})
+    elif isinstance(settings, LRMoEConfig):
+        out.update({f: getattr(settings.backward, f) for f in BACKWARD_FIELDS})
     else:
         found = {f: getattr(settings, f) for f in PLANNED_BACKWARD_FIELDS
                  if hasattr(settings, f)}
@@ -315,7 +318,7 @@ def _layer_config(name: str, block: nn.Module, family: _Family, model: nn.Module
     kwargs: Dict[str, Any] = dict(
         router_aux_loss_coef=float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0))
     kwargs.update(settings)
-    kwargs["seed"] = _layer_seed(kwargs.get("seed", 0), layer_index)
+    kwargs["seed"] = _layer_seed(kwargs.get("seed") or 0, layer_index)
     return LRMoEConfig(
         hidden_size=int(hidden), moe_intermediate_size=int(inter),
         num_experts=int(num_experts), top_k=int(gate.top_k), router=family.router,
@@ -362,10 +365,10 @@ def patch_moe_blocks(model: nn.Module, settings: Any = None, /, *, ep_group: Any
     Args:
         model: a transformers model (e.g. ``Qwen3MoeForCausalLM``) or any module holding
             mapped blocks (families: see the module docstring), on any device/dtype.
-        settings: LRMoE settings of the planned backward: None, a mapping of LRMoEConfig
-            fields, or an object with (some of) the attributes
-            ``recalibration_rate, metric, quota_rule, selection, seed,
-            selective_backward`` (e.g. an :class:`LRMoEConfig`; only those are read).
+        settings: LRMoE settings of the planned backward: None, a
+            :class:`lrmoe.BackwardConfig`, an :class:`LRMoEConfig` (its ``backward`` is
+            read), a mapping of BackwardConfig fields, or an object with (some of) the
+            attributes of :data:`PLANNED_BACKWARD_FIELDS` (only those are read).
         **overrides: the same fields as keywords (they win over ``settings``); also
             ``router_aux_loss_coef`` / ``router_z_loss_coef`` of ``layer.aux_loss``.
             Layer i gets the seed ``(seed + i * SEED_STRIDE) mod 2**63``.
@@ -460,7 +463,8 @@ def set_recalibration(model: nn.Module, **changes: Any) -> int:
             layer_changes["seed"] = _layer_seed(layer_changes["seed"], layer.layer_index)
         new_configs.append(layer.config.replace(**layer_changes))  # validates
     for (_, layer), config in zip(layers, new_configs):
-        layer.set_recalibration(**{f: getattr(config, f) for f in changes})
+        layer.set_recalibration(**{f: getattr(config.backward if f in BACKWARD_FIELDS
+                                              else config, f) for f in changes})
     return len(layers)
 
 

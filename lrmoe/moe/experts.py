@@ -130,7 +130,7 @@ class ExpertFunction(torch.autograd.Function):
 
         # offload (lrmoe/moe/offload.py): h waits in host memory; x_TH is the layer input,
         # held by autograd for the router anyway, so it stays
-        ctx.offload = offload_for(config.offload, stats)
+        ctx.offload = offload_for(config.backward.offload, stats)
         if ctx.offload is not None:
             ctx.h_stored, h_P2I = ctx.offload.store(h_P2I), None
         ctx.save_for_backward(x_TH, weights_TK, w_gate_up_E2IH, w_down_EHI, h_P2I, y_PH,
@@ -150,16 +150,16 @@ class ExpertFunction(torch.autograd.Function):
         num_pairs = row_pair_P.shape[0]
 
         def quotas(score_P):
-            if not cfg.selective_backward:
+            if not cfg.backward.selective_backward:
                 return tokens_per_expert_E, tokens_per_expert_E, num_pairs
-            if cfg.retained_mass_target > 0:  # the adaptive rate: this step's scores decide
+            if cfg.backward.retained_mass_target > 0:  # the adaptive rate: this step's scores decide
                 rate = adaptive_rate(score_P, offsets_E, tokens_per_expert_E,
-                                     cfg.retained_mass_target, cfg.recalibration_rate,
-                                     cfg.quota_rule)
-                quota_E = ops.quota(tokens_per_expert_E, rate, cfg.quota_rule)
+                                     cfg.backward.retained_mass_target, cfg.backward.recalibration_rate,
+                                     cfg.backward.quota_rule)
+                quota_E = ops.quota(tokens_per_expert_E, rate, cfg.backward.quota_rule)
                 return quota_E, quota_E, ops.retained_total(num_pairs, rate)
-            quota_E = ops.quota(tokens_per_expert_E, cfg.recalibration_rate, cfg.quota_rule)
-            return quota_E, quota_E, cfg.retained_pairs(num_pairs)
+            quota_E = ops.quota(tokens_per_expert_E, cfg.backward.recalibration_rate, cfg.backward.quota_rule)
+            return quota_E, quota_E, cfg.backward.retained_pairs(num_pairs)
 
         kept = select_pairs(cfg, stats, g_TH, weights_TK, y_PH, phi_sq_P, row_pair_P,
                             pair_row_P, offsets_E, quotas)

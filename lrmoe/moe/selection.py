@@ -120,7 +120,7 @@ def select_pairs(cfg: LRMoEConfig, stats: BackwardStats, g_TH: Tensor, weights_T
     Writes ``stats.quota_E``, ``retained_mass``, ``num_retained``, ``kept_pair_R``,
     ``kept_scale_R`` and
     advances ``stats.backward_steps`` (whose value offsets the seed of ``random`` and
-    ``importance``: seed = ``(cfg.seed + backward_steps) mod 2**63``).
+    ``importance``: seed = ``(cfg.backward.seed + backward_steps) mod 2**63``).
 
     Args:
         cfg: the layer config (metric, selection, ``selective_backward``).
@@ -138,17 +138,17 @@ def select_pairs(cfg: LRMoEConfig, stats: BackwardStats, g_TH: Tensor, weights_T
     with phase("router_grad"):  # exact for every pair: needs no expert backward
         grad_weights_TK = ops.routing_weight_grad(g_TH, y_PH, pair_row_P, top_k)
     alpha_P = weights_TK.detach().reshape(-1).float()
-    if cfg.selective_backward:
+    if cfg.backward.selective_backward:
         # int64 on the op side: layer offsets and step counts wrap instead of overflowing
-        seed = (cfg.seed + stats.backward_steps) % (1 << 63)
+        seed = (cfg.backward.base_seed + stats.backward_steps) % (1 << 63)
         with phase("score"):
-            score_P = ops.score(g_TH, weights_TK.detach(), phi_sq_P, row_pair_P, cfg.metric,
+            score_P = ops.score(g_TH, weights_TK.detach(), phi_sq_P, row_pair_P, cfg.backward.metric,
                                 seed)
         with phase("select"):
             quota_E, share_E, num_retained = quotas(score_P)
             kept_rows_R, kept_pair_R, pair_kept_P, kept_offsets_E, kept_scale_R, mass = (
                 ops.select(score_P, row_pair_P, offsets_E, share_E, num_retained,
-                           cfg.selection, seed))
+                           cfg.backward.selection, seed))
         with phase("compact"):
             scale_R = alpha_P.index_select(0, kept_pair_R) * kept_scale_R
     else:

@@ -81,7 +81,7 @@ class ExpertParallelFunction(torch.autograd.Function):
             o_TH = ops.combine(y_PH, pair_row_P, weights_TK, top_k)
 
         # offload (lrmoe/moe/offload.py): the received x rows and h wait in host memory
-        ctx.offload = offload_for(config.offload, stats)
+        ctx.offload = offload_for(config.backward.offload, stats)
         if ctx.offload is not None:
             ctx.x_stored, ctx.h_stored = ctx.offload.store(x_NH), ctx.offload.store(h_N2I)
             x_NH = h_N2I = None

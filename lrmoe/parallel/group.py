@@ -23,12 +23,18 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lrmoe.moe.config import LRMoEConfig
+from lrmoe.moe.config import BACKWARD_FIELDS, LRMoEConfig
 
-_HASH_FIELDS = ("hidden_size", "moe_intermediate_size", "num_experts", "top_k", "router",
-                "norm_topk_prob", "routed_scaling_factor", "shared_expert_intermediate_size",
-                "shared_expert_gate", "recalibration_rate", "metric", "quota_rule",
-                "selection", "selective_backward", "seed", "retained_mass_target")
+#: what every EP rank must agree on: the architecture (the loss coefficients only scale
+#: each rank's own aux loss) and the whole planned backward, read from its one schema
+_HASH_ARCH_FIELDS = ("hidden_size", "moe_intermediate_size", "num_experts", "top_k", "router",
+                     "norm_topk_prob", "routed_scaling_factor",
+                     "shared_expert_intermediate_size", "shared_expert_gate")
+
+
+def _hashed(config: LRMoEConfig) -> list:
+    return ([(f, getattr(config, f)) for f in _HASH_ARCH_FIELDS]
+            + [(f, getattr(config.backward, f)) for f in BACKWARD_FIELDS])
 #: the hash slot of the per-forward counts exchange when a rank failed before it
 FAILED = -1
 
@@ -100,7 +106,7 @@ def config_hash(config: LRMoEConfig, ep_size: int, dtype: Optional[torch.dtype] 
     compute dtype of the forward when given, and the placement settings -- policy,
     budget, resident bytes, slots -- when given: a
     :class:`lrmoe.parallel.placement.Placement`)."""
-    text = repr([(f, getattr(config, f)) for f in _HASH_FIELDS] + [("ep_size", ep_size)]
+    text = repr(_hashed(config) + [("ep_size", ep_size)]
                 + ([("dtype", str(dtype))] if dtype is not None else [])
                 + ([("placement", placement.summary())] if placement is not None else []))
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
@@ -108,7 +114,7 @@ def config_hash(config: LRMoEConfig, ep_size: int, dtype: Optional[torch.dtype] 
 
 def config_summary(config: LRMoEConfig, ep_size: int, placement: Any = None) -> str:
     """The hashed fields as text, for error messages."""
-    text = ", ".join(f"{f}={getattr(config, f)!r}" for f in _HASH_FIELDS) + f", ep={ep_size}"
+    text = ", ".join(f"{f}={v!r}" for f, v in _hashed(config)) + f", ep={ep_size}"
     return text + (f", placement={placement!r}" if placement is not None else "")
 
 

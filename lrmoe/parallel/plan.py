@@ -199,9 +199,9 @@ def build_plan(counts_host: List[List[int]], counts_WE: Tensor, rank: int,
     loads_cpu = counts_cpu.sum(0).to(torch.int32)
     if layout is None:
         with phase("select"):
-            if config.selective_backward:
+            if config.backward.selective_backward:
                 # the same exact C++ as on the device, on host tensors: no device sync
-                quota_cpu = ops.quota(loads_cpu, config.recalibration_rate, config.quota_rule)
+                quota_cpu = ops.quota(loads_cpu, config.backward.recalibration_rate, config.backward.quota_rule)
                 shares_cpu = source_shares(counts_cpu, quota_cpu)
             else:
                 shares_cpu = counts_cpu

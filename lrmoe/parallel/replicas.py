@@ -155,9 +155,9 @@ class ReplicaState:
         from lrmoe.planner.plan import plan as make_plan
 
         p = self.placement
-        c = config.recalibration_rate if config.selective_backward else 0.0
+        c = config.backward.recalibration_rate if config.backward.selective_backward else 0.0
         return make_plan(counts_host, p.policy, self.memory, recalibration_rate=c,
-                         quota_rule=config.quota_rule, replica_slots=p.replica_slots,
+                         quota_rule=config.backward.quota_rule, replica_slots=p.replica_slots,
                          symi_slots=p.symi_slots, previous_load_E=self.popularity_E,
                          max_expert_cut=p.max_expert_cut, balance_slack=p.balance_slack)
 
@@ -177,13 +177,13 @@ class ReplicaState:
             prev = self._loads_since_push
             self._loads_since_push = more if prev is None else [a + b for a, b in zip(prev, more)]
         forward_IW = plan.forward_IW
-        if not config.selective_backward:
+        if not config.backward.selective_backward:
             kept_IW = forward_IW
         elif self.placement.policy == "lrmoe":
             kept_IW = plan.retained_IW
         else:
-            quota_E = ops.quota(loads.to(torch.int32), config.recalibration_rate,
-                                config.quota_rule)
+            quota_E = ops.quota(loads.to(torch.int32), config.backward.recalibration_rate,
+                                config.backward.quota_rule)
             kept_IW = cell_shares(forward_IW, plan.instance_offsets, quota_E)
         layout = InstanceLayout(plan.instance_offsets, plan.instance_rank, forward_IW, kept_IW)
         world = len(counts_host)

@@ -46,7 +46,7 @@ def refuse_adaptive_rate(config: LRMoEConfig, where: str) -> None:
     """Raise ValueError (naming ``where``) when ``config`` asks for the adaptive rate
     (``retained_mass_target`` > 0) under expert parallelism: the EP plan fixes the quotas
     in the forward, before any score exists."""
-    if config.retained_mass_target > 0:
+    if config.backward.retained_mass_target > 0:
         raise ValueError(f"{where}: retained_mass_target (the adaptive rate) runs on one "
                          "device only: under expert parallelism the quotas are fixed in the "
                          "forward, before any score exists; use a fixed recalibration_rate "

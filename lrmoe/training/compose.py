@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 from lrmoe.training.config import (SECTIONS, DataConfig, ModelConfig, OptimConfig, RunConfig,
                                    TrainConfig)
-from lrmoe.training.keys import flatten, resolve_key, set_key
+from lrmoe.training.keys import flatten, mapping_keys, resolve_key, set_key
 from lrmoe.training.distributed import log
 
 #: Fields that may differ between a checkpoint and the run that resumes it: they change
@@ -121,7 +121,8 @@ def build_config(preset: Optional[str] = None, config_file: Optional[str | os.Pa
     ``--set key=value`` items, then ``overrides`` (None values skipped).
 
     Keys are dotted (``optim.lr``) or flat (``lr``); a YAML file nests them by section.
-    Flat keys in a YAML file are read with a note on stderr naming their nested names.
+    Flat keys in a YAML file are read with a note on stderr naming their nested names; a
+    file that sets one key twice (nested and flat) is refused.
 
     Args:
         preset: preset name (wins over the YAML file's ``preset:``).
@@ -132,7 +133,8 @@ def build_config(preset: Optional[str] = None, config_file: Optional[str | os.Pa
         base: start from this config instead of a preset (used by ``--resume``).
 
     Raises:
-        ValueError: unknown preset or key (with close matches), wrong type, invalid value.
+        ValueError: unknown preset or key (with close matches), one key set twice in the
+            YAML file (naming both spellings), wrong type, invalid value.
         FileNotFoundError: missing YAML file.
     """
     file_data = load_yaml_config(config_file) if config_file else {}
@@ -142,13 +144,7 @@ def build_config(preset: Optional[str] = None, config_file: Optional[str | os.Pa
     else:
         d = get_preset(preset or file_preset or "tiny").to_dict()
     flat = []
-    for key, value in file_data.items():
-        key = str(key)
-        if key in SECTIONS and isinstance(value, Mapping):
-            for k, v in value.items():
-                set_key(d, resolve_key(f"{key}.{k}"), v)
-            continue
-        dotted = resolve_key(key)
+    for dotted, key, value in mapping_keys(file_data, f"--config {config_file}"):
         if dotted != key:
             flat.append(f"{key} -> {dotted}")
         set_key(d, dotted, value)

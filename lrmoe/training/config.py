@@ -5,7 +5,7 @@ coercion in :mod:`lrmoe.training.keys`; this module re-exports both). Presets, Y
 
 Sections (the YAML nesting and the dotted ``--set`` names): ``model`` (:class:`ModelConfig`),
 ``data`` (:class:`DataConfig`), ``optim`` (:class:`OptimConfig`), ``lrmoe``
-(:class:`LRMoESettings`), ``parallel`` (:class:`ParallelConfig`), ``run``
+(:class:`lrmoe.moe.config.BackwardConfig`, the layers' own planned-backward schema), ``parallel`` (:class:`ParallelConfig`), ``run``
 (:class:`RunConfig`), gathered in :class:`TrainConfig`. Every field also has a flat name,
 its bare field name (``lr`` is ``optim.lr``, ``data`` is ``data.source``), the spelling of
 earlier versions: ``--set`` and YAML files accept it (``build_config`` notes each flat key
@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping
 
 # re-exported: the names users and lrmoe.training.train import from here
-from lrmoe.training.keys import (FLAT_KEYS, config_keys, flatten, resolve_key,  # noqa: F401
-                                 section_from_mapping, set_key)
+from lrmoe.training.keys import (FLAT_KEYS, config_keys, flatten, mapping_keys,  # noqa: F401
+                                 resolve_key, section_from_mapping, set_key)
 from lrmoe.training.sections import (SECTION_TYPES, SECTIONS, DataConfig,  # noqa: F401
-                                     LRMoESettings, ModelConfig, OptimConfig, ParallelConfig,
+                                     BackwardConfig, ModelConfig, OptimConfig, ParallelConfig,
                                      RunConfig)
 
 
@@ -40,7 +40,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    lrmoe: LRMoESettings = field(default_factory=LRMoESettings)
+    lrmoe: BackwardConfig = field(default_factory=BackwardConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
@@ -86,17 +86,15 @@ class TrainConfig:
                              "use a fixed lrmoe.recalibration_rate with --dp")
 
     @property
-    def lrmoe_settings(self) -> Dict[str, Any]:
-        """Keyword arguments for ``patch_moe_blocks`` (the planned-backward settings)."""
+    def backward(self) -> BackwardConfig:
+        """The ``lrmoe`` section as the layers get it (``patch_moe_blocks``): its seed, when
+        None, is ``run.seed``."""
         s = self.lrmoe
-        return {"recalibration_rate": float(s.recalibration_rate), "metric": s.metric,
-                "quota_rule": s.quota_rule, "selection": s.selection,
-                "retained_mass_target": float(s.retained_mass_target), "seed": self.run.seed,
-                "offload": s.offload}
+        return dataclasses.replace(s, seed=self.run.seed if s.seed is None else s.seed)
 
     def to_dict(self) -> Dict[str, Any]:
         """A JSON/YAML-able nested dict (one mapping per section, ``betas`` a list)."""
-        d = dataclasses.asdict(self)
+        d = {name: _fields(getattr(self, name)) for name in SECTIONS}
         d["optim"]["betas"] = list(self.optim.betas)
         return d
 
@@ -107,17 +105,14 @@ class TrainConfig:
         ``model`` mapping), coercing types.
 
         Raises:
-            ValueError: an unknown key (with close matches) or a value of the wrong type.
+            ValueError: an unknown key (with close matches), one setting given twice
+                (nested and flat, naming both), or a value of the wrong type.
         """
         if not isinstance(data, Mapping):
             raise ValueError(f"config must be a mapping, got {data!r}")
         nested: Dict[str, Any] = {}
-        for key, value in data.items():
-            if key in SECTIONS and isinstance(value, Mapping):
-                for k, v in value.items():
-                    set_key(nested, resolve_key(f"{key}.{k}"), v)
-            else:
-                set_key(nested, resolve_key(str(key)), value)
+        for dotted, _, value in mapping_keys(data, "config"):
+            set_key(nested, dotted, value)
         return cls(**{name: section_from_mapping(SECTION_TYPES[name], nested.get(name, {}),
                                                   name) for name in SECTIONS})
 
@@ -131,12 +126,17 @@ class TrainConfig:
         d = self.to_dict()
         for key, value in changes.items():
             if key in SECTIONS and dataclasses.is_dataclass(value):
-                d[key] = dataclasses.asdict(value)
+                d[key] = _fields(value)
             elif key in SECTIONS and isinstance(value, Mapping):
                 d[key] = dict(value)
             else:
                 set_key(d, resolve_key(key), value)
         return TrainConfig.from_dict(d)
+
+
+def _fields(section: Any) -> Dict[str, Any]:
+    """A section's settable fields (not the derived ones, e.g. ``BackwardConfig.rate_pq``)."""
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.init}
 
 
 def check_ep_divides(num_experts: int, ep_size: int, what: str) -> None:

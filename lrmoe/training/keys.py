@@ -16,12 +16,20 @@ from lrmoe.training.sections import SECTION_TYPES, _is_int
 _FIELDS: Dict[str, Tuple[str, str, Any]] = {}
 #: flat (bare) name -> dotted name
 FLAT_KEYS: Dict[str, str] = {}
+#: a field name of two sections: its flat name keeps the meaning it had before the
+#: ``lrmoe`` section got a seed of its own (``seed`` was always ``run.seed``)
+_FLAT_OWNER = {"seed": "run.seed"}
 for _sec, _cls in SECTION_TYPES.items():
     _hints = typing.get_type_hints(_cls)
     for _f in dataclasses.fields(_cls):
+        if not _f.init:  # derived (BackwardConfig.rate_pq)
+            continue
         _FIELDS[f"{_sec}.{_f.name}"] = (_sec, _f.name, _hints[_f.name])
+        if _f.name in _FLAT_OWNER:
+            continue
         assert _f.name not in FLAT_KEYS, _f.name  # flat names must stay unambiguous
         FLAT_KEYS[_f.name] = f"{_sec}.{_f.name}"
+FLAT_KEYS.update(_FLAT_OWNER)
 FLAT_KEYS["data"] = "data.source"
 
 
@@ -47,6 +55,31 @@ def resolve_key(key: str) -> str:
     close = list(dict.fromkeys(close))
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise ValueError(f"unknown config key {key!r}{hint} (all keys: lrmoe train --print-config)")
+
+
+def mapping_keys(data: Mapping[str, Any], where: str) -> List[Tuple[str, str, Any]]:
+    """The settings of one mapping (a YAML file, a ``train_config.json``): sections
+    (``optim: {lr: ...}``), dotted or flat keys, as ``[(dotted, key as written, value)]``.
+
+    Raises:
+        ValueError: an unknown key (with close matches), or two spellings of one setting
+            (``model: {hidden_size: ..}`` and a flat ``hidden_size``), naming both.
+    """
+    out: List[Tuple[str, str, Any]] = []
+    seen: Dict[str, str] = {}
+    for key, value in data.items():
+        key = str(key)
+        if key in SECTION_TYPES and isinstance(value, Mapping):
+            items = [(resolve_key(f"{key}.{k}"), f"{key}.{k}", v) for k, v in value.items()]
+        else:
+            items = [(resolve_key(key), key, value)]
+        for dotted, written, v in items:
+            if dotted in seen:
+                raise ValueError(f"{where}: {seen[dotted]!r} and {written!r} both set "
+                                 f"{dotted}; keep one of them")
+            seen[dotted] = written
+            out.append((dotted, written, v))
+    return out
 
 
 def set_key(d: Dict[str, Any], dotted: str, value: Any) -> None:

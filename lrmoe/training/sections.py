@@ -9,14 +9,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-from lrmoe.moe.offload import OFFLOAD_MODES
-from lrmoe.ops import METRICS, QUOTA_RULES, SELECTIONS, rate_fraction
+# the ``lrmoe`` section is the layer's own schema: one definition, one validation
+from lrmoe.moe.config import SEED_LIMIT, BackwardConfig
 
 DTYPES = ("auto", "float32", "bfloat16")
 PROGRESS = ("auto", "bar", "lines", "none")
 SECTIONS = ("model", "data", "optim", "lrmoe", "parallel", "run")
-#: Seeds feed torch generators and 64-bit C++ counters: [0, 2^63).
-SEED_LIMIT = 1 << 63
 
 
 # ====================================================================== checks
@@ -214,61 +212,6 @@ class OptimConfig:
 
 
 @dataclass
-class LRMoESettings:
-    """``lrmoe``: the planned backward of every MoE layer (:class:`lrmoe.LRMoEConfig`).
-
-    Attributes:
-        recalibration_rate: c in [0, 1), share of routed pairs whose expert backward is
-            dropped (0 = exact training). The quota arithmetic reads c as the nearest
-            fraction with denominator <= 2^20 (:func:`lrmoe.ops.rate_fraction`); a c that
-            rounds to 1 is refused.
-        metric: ``lrm``, ``grad_sq``, ``grad_abs`` or ``random``.
-        quota_rule: ``proportional`` or ``water_level``.
-        selection: ``importance`` (default; unbiased) or ``topk`` (the paper's); see
-            :class:`lrmoe.moe.config.LRMoEConfig`.
-        retained_mass_target: 0 (off) or rho* in (0, 1]: the adaptive rate -- each layer
-            and step drops the largest share of pairs, at most ``recalibration_rate``
-            (then the cap), whose retained score mass stays >= rho*
-            (``LRMoEConfig.retained_mass_target``; one device only).
-        offload: ``none`` or ``activations``: the expert forward's saved rows wait for the
-            backward in pinned host memory, only the kept rows come back
-            (``LRMoEConfig.offload``, lrmoe/moe/offload.py).
-    """
-
-    recalibration_rate: float = 0.0
-    metric: str = "lrm"
-    quota_rule: str = "proportional"
-    selection: str = "importance"
-    retained_mass_target: float = 0.0
-    offload: str = "none"
-
-    def validate(self) -> None:
-        """Raises ValueError naming ``lrmoe.<field>`` on an invalid value."""
-        t = self.retained_mass_target
-        _number("lrmoe.retained_mass_target", t)
-        if not 0.0 <= t <= 1.0:
-            raise ValueError(f"lrmoe.retained_mass_target must be 0 (off) or in (0, 1], "
-                             f"got {t!r}")
-        if t > 0 and self.recalibration_rate == 0:
-            raise ValueError("lrmoe.retained_mass_target > 0 needs lrmoe.recalibration_rate "
-                             "> 0: the rate is then the most that may be dropped (e.g. -c 0.5)")
-        c = self.recalibration_rate
-        _number("lrmoe.recalibration_rate", c)
-        if not 0.0 <= c < 1.0:
-            raise ValueError(f"lrmoe.recalibration_rate must be in [0, 1), got {c!r} "
-                             "(0.1/0.2/0.3 are C10/C20/C30)")
-        p, q = rate_fraction(float(c))
-        if p == q:
-            raise ValueError(f"lrmoe.recalibration_rate={c!r} rounds to c = 1 in the quota "
-                             "arithmetic (nearest fraction with denominator <= 2^20): every "
-                             "expert backward would be dropped; use c <= 0.999999")
-        _choice("lrmoe.metric", self.metric, METRICS)
-        _choice("lrmoe.quota_rule", self.quota_rule, QUOTA_RULES)
-        _choice("lrmoe.selection", self.selection, SELECTIONS)
-        _choice("lrmoe.offload", self.offload, OFFLOAD_MODES)
-
-
-@dataclass
 class ParallelConfig:
     """``parallel``: how the run is spread over processes.
 
@@ -401,5 +344,5 @@ class RunConfig:
 
 
 SECTION_TYPES: Dict[str, type] = {
-    "model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "lrmoe": LRMoESettings,
+    "model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "lrmoe": BackwardConfig,
     "parallel": ParallelConfig, "run": RunConfig}

@@ -20,7 +20,7 @@ from lrmoe.training.checkpoint import (find_checkpoint, list_checkpoints,
 from lrmoe.training.compose import (PRESETS, RESUME_MUTABLE_FIELDS, build_config,
                                     check_resume_compatible, config_yaml, get_preset,
                                     parse_set)
-from lrmoe.training.config import (FLAT_KEYS, SECTIONS, DataConfig, LRMoESettings,
+from lrmoe.training.config import (FLAT_KEYS, SECTIONS, DataConfig, BackwardConfig,
                                    ModelConfig, OptimConfig, ParallelConfig, RunConfig,
                                    TrainConfig, config_keys)
 from lrmoe.training.loss import causal_lm_nll, evaluate
@@ -30,7 +30,7 @@ from lrmoe.training.trainer import Trainer, TrainResult
 
 __all__ = [
     "train", "Trainer", "TrainResult", "TrainConfig", "ModelConfig", "DataConfig",
-    "OptimConfig", "LRMoESettings", "ParallelConfig", "RunConfig", "PRESETS", "SECTIONS",
+    "OptimConfig", "BackwardConfig", "ParallelConfig", "RunConfig", "PRESETS", "SECTIONS",
     "FLAT_KEYS", "RESUME_MUTABLE_FIELDS", "build_config", "config_keys", "config_yaml",
     "get_preset", "parse_set", "check_resume_compatible", "find_checkpoint",
     "list_checkpoints", "read_checkpoint_config", "lr_factor", "causal_lm_nll", "evaluate",

@@ -165,9 +165,8 @@ class Trainer:
             source = None  # expert-sharded weights: built whole, sharded, then loaded
         self.model = setup.build_model(cfg, self.data, source)
         self.num_params = sum(p.numel() for p in self.model.parameters())
-        patched = patch_moe_blocks(self.model, ep_group=self.ep_group,
-                                   policy=placement_from_config(cfg.parallel),
-                                   **cfg.lrmoe_settings)
+        patched = patch_moe_blocks(self.model, cfg.backward, ep_group=self.ep_group,
+                                   policy=placement_from_config(cfg.parallel))
         if not patched:
             raise ValueError(f"the model ({type(self.model).__name__}) has no sparse-MoE block "
                              "that lrmoe can replace")

@@ -5,6 +5,7 @@ docs/algorithm.md -- never from the code under test.
 """
 from __future__ import annotations
 
+import os
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -21,6 +22,14 @@ import torch.nn.functional as F
 for _folder in sorted(Path(__file__).resolve().parent.iterdir()):
     if _folder.is_dir() and not _folder.name.startswith(("_", ".")):
         sys.path.insert(0, str(_folder))
+
+
+# Scripts the tests start as programs (experiments/*.py, torchrun workers) import lrmoe
+# from this tree, not from whatever copy is installed -- and find it where nothing is
+# installed (the GPU image builds lrmoe._C in place and has no .pth for the repo).
+_REPO = str(Path(__file__).resolve().parents[2])
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != _REPO])
 
 
 def pytest_collection_modifyitems(config, items):

@@ -404,25 +404,25 @@ def test_settings_forms_seeds_and_set_recalibration():
         cfg = layer.config
         assert isinstance(layer, TransformersMoELayer) and layer.layer_index == index
         # the settings object's LRMoE fields, not its architecture
-        assert (cfg.recalibration_rate, cfg.metric, cfg.quota_rule) == (0.2, "random",
+        assert (cfg.backward.recalibration_rate, cfg.backward.metric, cfg.backward.quota_rule) == (0.2, "random",
                                                                        "water_level")
         assert cfg.hidden_size == 32 and cfg.top_k == 2
-        assert cfg.seed == 7 + index * SEED_STRIDE
+        assert cfg.backward.seed == 7 + index * SEED_STRIDE
         assert cfg.router_aux_loss_coef == model.config.router_aux_loss_coef
 
     other = _model("qwen3_moe")
     layers = patch_moe_blocks(other, {"recalibration_rate": 0.1, "selection": "importance"},
                               recalibration_rate=0.3)
-    assert all(layer.config.recalibration_rate == 0.3 and
-               layer.config.selection == "importance" for _, layer in layers)
+    assert all(layer.config.backward.recalibration_rate == 0.3 and
+               layer.config.backward.selection == "importance" for _, layer in layers)
 
     assert set_recalibration(model, recalibration_rate=0.25, seed=3, metric="lrm") == 2
     for index, (_, layer) in enumerate(layers_of(model)):
-        assert (layer.config.recalibration_rate, layer.config.metric) == (0.25, "lrm")
-        assert layer.config.seed == 3 + index * SEED_STRIDE
+        assert (layer.config.backward.recalibration_rate, layer.config.backward.metric) == (0.25, "lrm")
+        assert layer.config.backward.seed == 3 + index * SEED_STRIDE
     with pytest.raises(ValueError, match="recalibration_rate"):
         set_recalibration(model, recalibration_rate=1.0)
-    assert all(layer.config.recalibration_rate == 0.25 for _, layer in layers_of(model))
+    assert all(layer.config.backward.recalibration_rate == 0.25 for _, layer in layers_of(model))
 
     # diagnostics before any backward: forward entries only
     diags = collect_diagnostics(model)

@@ -56,12 +56,12 @@ def test_cuda_layer_matches_reference_without_sync(c, dtype):
         # test_cuda_ops_lrmoe.py. Here: compaction and GEMMs given the layer's kept set.
         keep = torch.zeros(1024, dtype=torch.bool)
         keep[got["stats"].kept_pair_R.long().cpu()] = True
-        assert int(keep.sum()) == cfg.retained_pairs(1024)
+        assert int(keep.sum()) == cfg.backward.retained_pairs(1024)
     ref = run_reference(case, keep)
     tol = BF16_TOL if dtype == torch.bfloat16 else 1e-4
     for k in ("out", "x", "weights", "w_gu", "w_d"):
         assert rel_err(got[k], ref[k]) < tol, k
-    assert got["stats"].num_retained == cfg.retained_pairs(1024)
+    assert got["stats"].num_retained == cfg.backward.retained_pairs(1024)
 
 
 def test_cuda_c0_bit_identical_to_selection_off():
@@ -193,7 +193,7 @@ def test_cuda_graph_replay_equals_eager_bitwise(c, forced):
         torch.cuda.synchronize()
         assert torch.equal(step.out_TH, ref_out) and torch.equal(step.dx_TH, ref_dx)
         assert torch.equal(graph_kept, ref_kept)
-        assert layer.stats.num_retained == cfg.retained_pairs(2048 * 8)
+        assert layer.stats.num_retained == cfg.backward.retained_pairs(2048 * 8)
         for i, (a, b) in enumerate(zip(step.grads, ref_grads)):
             assert b is not None and torch.equal(a, b), i
         outs.append(ref_out)

@@ -28,7 +28,7 @@ from test_expert_parallel import (_backends, _free_port, _spawn, _torchrun,  # n
                                   _train_records)
 
 from lrmoe.training import train as T  # noqa: E402
-from lrmoe.training.config import (DataConfig, LRMoESettings, ModelConfig,  # noqa: E402
+from lrmoe.training.config import (DataConfig, BackwardConfig, ModelConfig,  # noqa: E402
                                    OptimConfig, RunConfig, TrainConfig)
 
 S = 32  # tokens per block
@@ -72,7 +72,7 @@ def _cfg(root: Path, name: str, **changes) -> TrainConfig:
         data=DataConfig(source=f"text:{docs}", tokenizer=str(tok), seq_len=S, batch_size=1,
                         val_fraction=0.1, cache_dir=str(root / "cache")),
         optim=OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=2, adam_eps=1e-6),
-        lrmoe=LRMoESettings(recalibration_rate=0.0),
+        lrmoe=BackwardConfig(recalibration_rate=0.0),
         run=RunConfig(steps=4, eval_every=0, eval_batches=1, save_every=2, log_every=1,
                       out_dir=str(root / name), progress="none", device="cpu",
                       torch_threads=1))

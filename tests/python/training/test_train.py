@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from lrmoe.training import train as T
-from lrmoe.training.train import (DataConfig, LRMoESettings, ModelConfig, OptimConfig,
+from lrmoe.training.train import (DataConfig, BackwardConfig, ModelConfig, OptimConfig,
                                   RunConfig, TrainConfig)
 
 REPO = Path(__file__).resolve().parents[3]
@@ -60,7 +60,7 @@ def micro(tmp_path: Path, name: str = "run", **changes) -> TrainConfig:
         data=DataConfig(source=f"alpaca:{data}", vocab_size=512, seq_len=128, batch_size=4,
                         val_fraction=0.1, cache_dir=str(tmp_path / "cache")),
         optim=OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=2),
-        lrmoe=LRMoESettings(recalibration_rate=0.3, selection="importance", metric="lrm"),
+        lrmoe=BackwardConfig(recalibration_rate=0.3, selection="importance", metric="lrm"),
         run=RunConfig(steps=8, eval_every=3, eval_batches=2, save_every=0,
                       out_dir=str(tmp_path / name), progress="none", device="cpu",
                       torch_threads=1))

@@ -110,7 +110,7 @@ def test_adaptive_rate_settings_reach_the_layers_and_bad_ones_are_named(tmp_path
     from lrmoe.training.train import TrainConfig  # noqa: F401  (the nested config)
     from test_train import micro
     cfg = micro(tmp_path, recalibration_rate=0.5, retained_mass_target=0.95)
-    assert cfg.lrmoe_settings["retained_mass_target"] == 0.95
+    assert cfg.backward.retained_mass_target == 0.95
     with pytest.raises(ValueError, match="lrmoe.retained_mass_target must be"):
         micro(tmp_path, recalibration_rate=0.5, retained_mass_target=2.0)
     with pytest.raises(ValueError, match="needs lrmoe.recalibration_rate"):
