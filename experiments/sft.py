@@ -135,6 +135,25 @@ def sft_cells(args) -> List[Cell]:
     return out
 
 
+def base_perplexity(out: Path, args) -> str:
+    """The base's final validation perplexity as the report states it: the mean of its last
+    ``--last-evals`` evaluations after step 0 (:func:`analysis.final_ppl`, the definition
+    every dPPL here uses), with the steps it averages and the last evaluation beside it;
+    ``nan`` when the base has no evaluation after step 0 (not run yet)."""
+    try:
+        records = _grid.read_metrics(out / base_cell(args).name)
+    except _grid.CorruptRun as err:
+        return f"unreadable ({err})"
+    run = {"evals": [r for r in records if r.get("kind") == "eval"]}
+    final = analysis.final_ppl(run, args.last_evals)
+    if final is None:
+        return "nan"
+    used = analysis.trained_evals(run)[-args.last_evals:]
+    return (f"{final:.4g}, the mean of the evaluations at steps "
+            f"{', '.join(str(e['step']) for e in used)}; {used[-1]['val_ppl']:.4g} at the "
+            "last one")
+
+
 def sft_args(args, checkpoint: Path) -> argparse.Namespace:
     """``args`` for the fine-tune grid: its steps, and the ``--set`` items that point every
     fine-tune at the base checkpoint, the instruction data and the fine-tuning schedule
@@ -224,10 +243,9 @@ def analyse(records, out: Path, args) -> str:
                      "rate", out / name, label=lambda c: f"c={c:g}",
                      title=f"{args.preset} SFT: validation perplexity ({setting})")
         figures.append(f"![{setting}]({name})")
-    base = _grid._read_json(out / base_cell(args).name / "summary.json") or {}
     return (f"## SFT setting\n\nBase: `{base_cell(args).name}` ({args.pretrain_data}, "
             f"{args.pretrain_steps} steps, final validation perplexity "
-            f"{base.get('last_val_ppl', float('nan')):.4g}); fine-tunes on "
+            f"{base_perplexity(out, args)}); fine-tunes on "
             f"{f'`alpaca:{args.sft_data}`' if args.sft_data else 'Alpaca-format data'}, "
             f"{args.sft_steps} steps, lr {args.sft_lr:g}.\n\n"
             + analysis.markdown_table(baseline + rows, [

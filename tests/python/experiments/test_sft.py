@@ -343,3 +343,29 @@ def test_a_broken_base_record_is_named(tmp_path, text):
     (out / sft.BASE_FILE).write_text(text)
     with pytest.raises(ValueError, match=r"base\.json is not the record this recipe writes"):
         sft.check_base(out, out / "base-c0-s0" / "checkpoints" / "step-00000002", [])
+
+
+def test_the_base_perplexity_in_the_report_is_the_mean_of_its_last_evaluations(tmp_path):
+    """The report's header gives the base's final perplexity by the definition every dPPL
+    uses (the mean of the last --last-evals evaluations after step 0), not its last
+    evaluation (what summary.json's last_val_ppl holds)."""
+    import argparse
+
+    out = tmp_path / "grid"
+    run = out / "base-c0-s0"
+    run.mkdir(parents=True)
+    ppl = {0: 19795.6, 100: 61.0, 200: 55.5, 260: 54.0, 280: 52.25, 300: 50.0}
+    lines = [json.dumps({"kind": "eval", "step": s, "val_loss": 1.0, "val_ppl": p,
+                         "val_tokens": 10}) for s, p in ppl.items()]
+    lines.insert(1, json.dumps({"kind": "train", "step": 1, "loss": 9.0}))
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (run / "summary.json").write_text(json.dumps({"steps": 300, "last_val_ppl": 50.0}))
+    args = argparse.Namespace(base_seed=0, pretrain_data="gcide", last_evals=3)
+    assert sft.base_perplexity(out, args) == (
+        "52.08, the mean of the evaluations at steps 260, 280, 300; 50 at the last one")
+    assert (54.0 + 52.25 + 50.0) / 3 == pytest.approx(52.0833, abs=1e-4)  # by hand
+    args.last_evals = 5  # more than the run has after step 0: all of them
+    assert sft.base_perplexity(out, args).startswith(
+        f"{(61.0 + 55.5 + 54.0 + 52.25 + 50.0) / 5:.4g}, the mean of the evaluations at "
+        "steps 100, 200, 260, 280, 300;")
+    assert sft.base_perplexity(tmp_path / "empty", args) == "nan"  # no base yet
