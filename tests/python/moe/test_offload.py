@@ -262,12 +262,12 @@ def test_training_settings_reach_every_patched_layer():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from lrmoe.training import train as T
-    from lrmoe.cli import build_parser
+    from lrmoe.cli import build_parser, train_overrides
     from lrmoe.integrations.transformers import patch_moe_blocks
     from lrmoe.training.metrics import diagnostics_means
 
     args = build_parser().parse_args(["train", "--offload", "activations"])
-    cfg = T.build_config("tiny", overrides={"offload": args.offload})
+    cfg = T.build_config("tiny", overrides=train_overrides(args))
     assert cfg.lrmoe.offload == "activations"
     assert cfg.backward.offload == "activations"
     with pytest.raises(ValueError, match="lrmoe.offload must be one of"):
