@@ -8,6 +8,9 @@ ids and pad / eos tokens), ``train_config.json`` (:class:`lrmoe.training.config.
 ``trainer_state.pt`` (optimizer, scheduler, RNG states, data position, step, LRMoE backward
 counters) and ``metrics.jsonl`` (the log up to that step).
 
+``lrmoe export`` (:mod:`lrmoe.training.export`) turns a checkpoint of any EP size into one
+plain transformers checkpoint.
+
 Where each rank keeps its files (:func:`rank_dir`): ep rank 0 in ``out_dir``, ep rank
 e > 0 in ``out_dir/ep-rank-e``; under DP x EP only dp rank 0 of each ep shard writes
 checkpoints there, dp rank d > 0 keeps its logs (no checkpoint) in ``<that>/dp-rank-d``
