@@ -1,6 +1,6 @@
-"""The ``lrmoe`` command line: ``lrmoe train ...``, ``lrmoe plan ...``, ``lrmoe data
-wordnet-alpaca ...``, ``lrmoe sim ...``, ``lrmoe calibrate ...``, and ``lrmoe bench
-layer|a2a ...`` where :mod:`lrmoe.bench` is installed
+"""The ``lrmoe`` command line: ``lrmoe train ...``, ``lrmoe export ...``, ``lrmoe plan
+...``, ``lrmoe data wordnet-alpaca ...``, ``lrmoe sim ...``, ``lrmoe calibrate ...``, and
+``lrmoe bench layer|a2a ...`` where :mod:`lrmoe.bench` is installed
 (more subcommands go into :func:`build_parser`).
 
 Exit status: 0 on success, 2 on a usage or config error (the message names the setting),
@@ -105,6 +105,42 @@ def _add_train_parser(sub: Any) -> None:
     p.add_argument("--print-config", action="store_true",
                    help="print the composed config as YAML and exit")
     p.set_defaults(func=_cmd_train)
+
+
+def _add_export_parser(sub: Any) -> None:
+    """``lrmoe export RUN_DIR OUT``: a plain transformers checkpoint (lrmoe/training/export.py)."""
+    from lrmoe.training.export import DEFAULT_MAX_SHARD_SIZE
+
+    p = sub.add_parser(
+        "export", help="write a run's checkpoint as a plain transformers checkpoint",
+        description=(
+            "Write the newest checkpoint of RUN_DIR (or the checkpoint folder RUN_DIR) into "
+            "OUT as model.safetensors (sharded with model.safetensors.index.json above "
+            "--max-shard-size), config.json, generation_config.json, tokenizer.json and "
+            "tokenizer_config.json, which transformers' AutoModelForCausalLM and "
+            "AutoTokenizer load without lrmoe. An expert-parallel run's shards (ep-rank-e/) "
+            "are gathered into whole expert tensors (docs/training.md \"Export to "
+            "transformers\")."),
+        formatter_class=_HelpFormatter)
+    p.add_argument("run_dir", metavar="RUN_DIR",
+                   help="run directory of lrmoe train (its --out), or one of its "
+                        "checkpoints/step-XXXXXXXX")
+    p.add_argument("out", metavar="OUT", help="folder to write (must be empty or missing)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
+                   help="largest safetensors file, e.g. 500MB or 5GB")
+
+    def _cmd(args: argparse.Namespace) -> int:
+        from lrmoe.training.export import describe, export_checkpoint, resolve_checkpoint
+
+        size = int(args.max_shard_size) if args.max_shard_size.strip().isdigit() \
+            else args.max_shard_size
+        ckpt = resolve_checkpoint(args.run_dir)
+        out = export_checkpoint(ckpt, args.out, overwrite=args.overwrite, max_shard_size=size)
+        print(f"lrmoe export: {ckpt} -> {out}: {describe(out)}")
+        return 0
+
+    p.set_defaults(func=_cmd)
 
 
 def _add_bench_parser(sub: Any) -> None:
@@ -265,13 +301,14 @@ def _add_sim_parser(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``lrmoe`` argument parser with its subcommands (``train``; ``bench layer``
-    where :mod:`lrmoe.bench` exists)."""
+    """The ``lrmoe`` argument parser with its subcommands (``train``, ``export``, ...;
+    ``bench layer`` where :mod:`lrmoe.bench` exists)."""
     parser = argparse.ArgumentParser(
         prog="lrmoe", description="LRMoE: exact-forward, planned-backward MoE training")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _add_train_parser(sub)
+    _add_export_parser(sub)
     _add_bench_parser(sub)
     _add_plan_parser(sub)
     _add_data_parser(sub)

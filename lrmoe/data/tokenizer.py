@@ -1,10 +1,11 @@
 """Tokenizers: a byte-level BPE trained on the training split, or a user's tokenizer.json."""
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterable, Tuple
+from typing import Any, Dict, Iterable, Tuple
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -16,6 +17,8 @@ EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<|im_end|>", "<|end_of_text|>", "<|eot_id|
 PAD_CANDIDATES = (PAD_TOKEN, "<pad>", "<|padding|>", "[PAD]", "<|finetune_right_pad_id|>")
 #: 256 byte symbols + the two special tokens, and a few merges.
 MIN_VOCAB = 260
+#: Written next to every ``tokenizer.json`` of a checkpoint or an export, for transformers.
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, length: int | None = None) -> Tokenizer:
@@ -85,3 +88,35 @@ def special_ids(tok: Tokenizer, path: Path | None = None) -> Tuple[int, int]:
                          f"(leave the tokenizer unset)")
     pad = next((i for t in PAD_CANDIDATES if (i := tok.token_to_id(t)) is not None), eos)
     return eos, pad
+
+
+def tokenizer_config(tok: Tokenizer, path: Path | None = None) -> Dict[str, Any]:
+    """The ``tokenizer_config.json`` that makes ``transformers.AutoTokenizer`` load
+    ``tok``'s ``tokenizer.json`` as the trainer uses it.
+
+    ``tokenizer_class`` is the generic ``PreTrainedTokenizerFast``: without it,
+    AutoTokenizer picks the class of the model type in ``config.json`` (``Qwen2Tokenizer``
+    for qwen3_moe), which rebuilds the pre-tokenizer and gives other ids. ``eos_token`` and
+    ``pad_token`` are those of :func:`special_ids` (pad = eos when the tokenizer has no
+    pad token); there is no BOS (the trainer adds none). Decoding keeps spaces as encoded.
+
+    Raises:
+        ValueError: the tokenizer has no end-of-text token (:func:`special_ids`).
+    """
+    eos, pad = special_ids(tok, path)
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
+            "eos_token": tok.id_to_token(eos), "pad_token": tok.id_to_token(pad),
+            "clean_up_tokenization_spaces": False}
+
+
+def write_tokenizer_config(tokenizer_json: Path, out_dir: Path) -> Path:
+    """Write :func:`tokenizer_config` of the ``tokenizer.json`` at ``tokenizer_json`` as
+    ``out_dir/tokenizer_config.json``. Returns its path.
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`load_tokenizer` and :func:`special_ids`.
+    """
+    config = tokenizer_config(load_tokenizer(Path(tokenizer_json)), Path(tokenizer_json))
+    target = Path(out_dir) / TOKENIZER_CONFIG_FILE
+    target.write_text(json.dumps(config, indent=2) + "\n")
+    return target

@@ -2,10 +2,14 @@
 
 A checkpoint holds ``model.safetensors`` + ``config.json`` (a plain transformers
 checkpoint; under expert parallelism with more than one rank, each rank's
-``model-ep-rank-r.safetensors`` with its expert shard instead), ``tokenizer.json``,
-``train_config.json`` (:class:`lrmoe.training.config.TrainConfig`), ``trainer_state.pt``
-(optimizer, scheduler, RNG states, data position, step, LRMoE backward counters) and
-``metrics.jsonl`` (the log up to that step).
+``model-ep-rank-r.safetensors`` with its expert shard instead), ``tokenizer.json`` +
+``tokenizer_config.json`` (so ``transformers.AutoTokenizer`` loads it with the trainer's
+ids and pad / eos tokens), ``train_config.json`` (:class:`lrmoe.training.config.TrainConfig`),
+``trainer_state.pt`` (optimizer, scheduler, RNG states, data position, step, LRMoE backward
+counters) and ``metrics.jsonl`` (the log up to that step).
+
+``lrmoe export`` (:mod:`lrmoe.training.export`) turns a checkpoint of any EP size into one
+plain transformers checkpoint.
 
 Where each rank keeps its files (:func:`rank_dir`): ep rank 0 in ``out_dir``, ep rank
 e > 0 in ``out_dir/ep-rank-e``; under DP x EP only dp rank 0 of each ep shard writes
@@ -25,6 +29,7 @@ from typing import Any, Dict, List, Mapping, Optional
 import torch
 from torch import Tensor, nn
 
+from lrmoe.data.tokenizer import write_tokenizer_config
 from lrmoe.training.compose import read_config_json
 from lrmoe.training.config import TrainConfig
 
@@ -161,7 +166,8 @@ def save_checkpoint(run_dir: Path, step: int, *, model: nn.Module, cfg: TrainCon
         model: the (patched) transformers model.
         cfg: written as ``train_config.json``.
         state: ``trainer_state.pt`` contents (tensors, numbers, lists, dicts).
-        tokenizer_path, metrics_path: copied in (flush the metrics file first).
+        tokenizer_path, metrics_path: copied in (flush the metrics file first); the
+            tokenizer's ``tokenizer_config.json`` is written beside it.
         sharded_rank: None writes a transformers checkpoint (``save_pretrained``); a rank
             writes its raw state dict (its expert shard + the dense weights) as
             ``model-ep-rank-<rank>.safetensors``, which only a resume reads.
@@ -185,6 +191,9 @@ def save_checkpoint(run_dir: Path, step: int, *, model: nn.Module, cfg: TrainCon
         save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()},
                   str(tmp / f"model-ep-rank-{sharded_rank}.safetensors"))
     shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+    # without it AutoTokenizer picks the model type's tokenizer class, whose own
+    # pre-tokenizer gives other ids, and uses eos as pad (issue 27)
+    write_tokenizer_config(tmp / "tokenizer.json", tmp)
     (tmp / TRAIN_CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     shutil.copyfile(metrics_path, tmp / metrics_path.name)
     torch.save(dict(state), tmp / STATE_FILE)

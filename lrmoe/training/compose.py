@@ -24,7 +24,7 @@ RESUME_MUTABLE_FIELDS = frozenset({
     "run.steps", "run.eval_every", "run.eval_batches", "run.log_every", "run.save_every",
     "run.keep_checkpoints", "run.out_dir", "run.device", "run.torch_threads", "run.progress",
     "data.cache_dir", "run.record_trace", "run.trace_every", "run.tensorboard",
-    "run.time_moe"})
+    "run.time_moe", "run.export"})
 
 
 

@@ -300,6 +300,10 @@ class RunConfig:
             parts) on every train record: the time of the MoE layers' forward and
             backward in the step, device events around each (``lrmoe.training.moe_timer``);
             the paper's time-to-loss metric.
+        export: when the run reaches ``steps`` (not when it was stopped), ep rank 0
+            writes ``out_dir/export/``: the last checkpoint as a plain transformers model +
+            tokenizer, every EP shard gathered (``lrmoe export``,
+            :mod:`lrmoe.training.export`).
     """
 
     steps: int = 400
@@ -318,6 +322,7 @@ class RunConfig:
     trace_every: int = 10
     tensorboard: bool = False
     time_moe: bool = False
+    export: bool = True
 
     def validate(self) -> None:
         """Raises ValueError naming ``run.<field>`` on an invalid value."""
@@ -341,6 +346,8 @@ class RunConfig:
             raise ValueError(f"run.tensorboard must be true or false, got {self.tensorboard!r}")
         if not isinstance(self.time_moe, bool):
             raise ValueError(f"run.time_moe must be true or false, got {self.time_moe!r}")
+        if not isinstance(self.export, bool):
+            raise ValueError(f"run.export must be true or false, got {self.export!r}")
 
 
 SECTION_TYPES: Dict[str, type] = {

@@ -7,8 +7,9 @@ live in :mod:`lrmoe.training` (settings in :mod:`lrmoe.training.config`, the loo
 
 Files of a run (``run.out_dir``): ``metrics.jsonl`` (:mod:`lrmoe.training.metrics`),
 ``loss_curve.png``, ``summary.json``, ``tensorboard/`` (with ``run.tensorboard``),
-``checkpoints/step-XXXXXXXX/`` (:mod:`lrmoe.training.checkpoint`) and, under expert
-parallelism, ``ep-rank-r/`` with the same files of rank r.
+``checkpoints/step-XXXXXXXX/`` (:mod:`lrmoe.training.checkpoint`), ``export/`` (a plain
+transformers checkpoint of the last step, ``run.export``; :mod:`lrmoe.training.export`)
+and, under expert parallelism, ``ep-rank-r/`` with the same files of rank r.
 """
 from __future__ import annotations
 

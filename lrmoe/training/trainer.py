@@ -17,7 +17,9 @@ a failed or interrupted start leaves the directory as it was):
 3. the run directory: stale ``.tmp-step-*`` saves removed, the files of an earlier run
    replaced (fresh) or the checkpoint's log restored (resume), metrics opened
    (:mod:`lrmoe.training.metrics`);
-4. the loop: steps, evaluations, checkpoints (:mod:`lrmoe.training.checkpoint`), Ctrl-C.
+4. the loop: steps, evaluations, checkpoints (:mod:`lrmoe.training.checkpoint`), Ctrl-C;
+5. a run that reached ``run.steps`` exports its last checkpoint to ``out_dir/export/``
+   (``run.export``; :mod:`lrmoe.training.export`).
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from lrmoe.training import preflight, setup
 from lrmoe.training.batches import BatchStream, micro_batches
 from lrmoe.training.config import TrainConfig
 from lrmoe.training.distributed import log
+from lrmoe.training.export import EXPORT_DIR, export_checkpoint
 from lrmoe.training.loss import autocast, causal_lm_nll, evaluate, lm_forward
 from lrmoe.training.metrics import (CURVE_FILE, METRICS_FILE, SUMMARY_FILE, TENSORBOARD_DIR,
                                     MetricsLog, Progress, diagnostics_means, mean,
@@ -64,6 +67,8 @@ class TrainResult:
         out_dir: the run directory. checkpoint: the last checkpoint written (or None).
         summary: the final summary (also in ``summary.json``).
         model: the trained (patched) model.
+        export: the folder of the plain transformers export (``run.export``), or None
+            (stopped early, ``run.export`` false, or not rank 0).
     """
 
     step: int
@@ -72,6 +77,7 @@ class TrainResult:
     checkpoint: Optional[Path]
     summary: Dict[str, Any]
     model: Any = None
+    export: Optional[Path] = None
 
 
 class Trainer:
@@ -230,7 +236,7 @@ class Trainer:
         else:
             for name in RUN_FILES:
                 (self.out_dir / name).unlink(missing_ok=True)
-            for name in ("checkpoints", TENSORBOARD_DIR):
+            for name in ("checkpoints", TENSORBOARD_DIR, EXPORT_DIR):
                 shutil.rmtree(self.out_dir / name, ignore_errors=True)
             metrics.write_text("")
         tb = self.out_dir / TENSORBOARD_DIR if self.cfg.run.tensorboard and self.rank == 0 \
@@ -268,6 +274,29 @@ class Trainer:
             "saving a checkpoint")
         self._last_saved_step, self.last_checkpoint = self.step, final
         return final
+
+    def export(self) -> Optional[Path]:
+        """Export the last checkpoint to ``run.out_dir/export/`` (replacing an earlier
+        export) as a plain transformers checkpoint; rank 0 writes it, after every rank has
+        saved its shard. Returns the folder on rank 0, None on the others.
+
+        Raises:
+            what :func:`lrmoe.training.export.export_checkpoint` raises, on rank 0; a
+            RuntimeError on the other ranks when rank 0 failed.
+        """
+        target = Path(self.cfg.run.out_dir) / EXPORT_DIR
+        # under EP rank 0 reads every rank's shard of the last checkpoint from disk, so
+        # all of them must have been written (the last step's collectives do not order
+        # a slower rank's save before rank 0's read)
+        dist_io.on_every_rank(self.group, self.rank, lambda: None, "saving the last checkpoint")
+        done = dist_io.on_every_rank(
+            self.group, self.rank, lambda: export_checkpoint(
+                self.last_checkpoint, target, overwrite=True) if self.rank == 0 else None,
+            "exporting the model")
+        if done is not None:
+            log(f"exported step {self.step} to {done} (a plain transformers checkpoint: "
+                "AutoModelForCausalLM / AutoTokenizer.from_pretrained load it)")
+        return done
 
     # ------------------------------------------------------------------ signals
     def request_stop(self) -> None:
@@ -431,6 +460,7 @@ class Trainer:
         (self.out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         if self.rank == 0:
             print_summary(summary)
+        exported = self.export() if cfg.run.export and not interrupted else None
         if interrupted:
             ep, dp = cfg.parallel.ep_size, cfg.parallel.dp_size
             flags = f"--ep {ep}" if dp == 1 else f"--dp {dp} --ep {ep}"
@@ -439,7 +469,8 @@ class Trainer:
             log(f"interrupted at step {self.step}; checkpoint {self.last_checkpoint}. "
                 f"Continue with: {launch} --out {cfg.run.out_dir} --resume")
         return TrainResult(step=self.step, interrupted=interrupted, out_dir=self.out_dir,
-                           checkpoint=self.last_checkpoint, summary=summary, model=self.model)
+                           checkpoint=self.last_checkpoint, summary=summary, model=self.model,
+                           export=exported)
 
     def _summary(self, start_step: int, interrupted: bool) -> Dict[str, Any]:
         wall = time.perf_counter() - self._t_start

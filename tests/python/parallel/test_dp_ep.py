@@ -184,6 +184,18 @@ def test_dp2_ep2_resume_is_exact_and_other_sizes_are_refused(run_2x2):
     assert not (root / "other").exists()
 
 
+def test_dp2_ep2_run_exports_its_gathered_shards(run_2x2):
+    """The run's own export (run.export: rank 0, once every writer has saved): transformers
+    loads the whole model, equal to the ep shards merged here; no other rank exports."""
+    root, run = run_2x2
+    export = run / "export"
+    assert (export / "model.safetensors").is_file()
+    assert (export / "tokenizer_config.json").is_file()
+    assert not any((run / sub / "export").exists()
+                   for sub in ("dp-rank-1", "ep-rank-1", "ep-rank-1/dp-rank-1"))
+    _assert_same_model(_weights(export), _merged_shards(run, 4, 2), 0)
+
+
 def test_dp2_ep1_equals_one_process_with_ordinary_checkpoints(tmp_path):
     run = _launch(tmp_path, _cfg(tmp_path, "dp2", steps=3, save_every=0), 2, 1)
     ref = T.train(_cfg(tmp_path, "one", steps=3, save_every=0, batch_size=2)).out_dir
