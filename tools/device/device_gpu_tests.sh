@@ -11,7 +11,8 @@ python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
 start=$(date +%s)
 python3 setup.py build_ext --inplace > "$out/build.log" 2>&1 || { tail -50 "$out/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
-# pytest-xdist (on the GPU image) runs 4 workers: a crash in one test is reported as
+# pytest-xdist (on the GPU image) runs 8 workers (16 cores; 4 left the suite past the
+# device tool's 600 s call limit): a crash in one test is reported as
 # that test's failure instead of ending the run
 xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n 4)
 python3 -m pytest tests/python -q -ra -p no:cacheprovider "${xdist[@]}" "$@" 2>&1 | tee "$out/pytest.log"
