@@ -14,6 +14,6 @@ echo "build: $(( $(date +%s) - start )) s"
 # pytest-xdist (on the GPU image) runs 8 workers (16 cores; 4 left the suite past the
 # device tool's 600 s call limit): a crash in one test is reported as
 # that test's failure instead of ending the run
-xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n 4)
+xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n 8)
 python3 -m pytest tests/python -q -ra -p no:cacheprovider "${xdist[@]}" "$@" 2>&1 | tee "$out/pytest.log"
 exit "${PIPESTATUS[0]}"
