@@ -40,7 +40,7 @@ def _add_backward_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_train_parser(sub: Any) -> None:
     from lrmoe.planner.plan import POLICIES
-    from lrmoe.training.train import PRESETS
+    from lrmoe.training.compose import PRESETS
 
     p = sub.add_parser(
         "train", help="train or fine-tune a Qwen3-MoE model with LRMoE layers",
@@ -109,7 +109,6 @@ def _add_train_parser(sub: Any) -> None:
 
 def _add_export_parser(sub: Any) -> None:
     """``lrmoe export RUN_DIR OUT``: a plain transformers checkpoint (lrmoe/training/export.py)."""
-    from lrmoe.training.export import DEFAULT_MAX_SHARD_SIZE
 
     p = sub.add_parser(
         "export", help="write a run's checkpoint as a plain transformers checkpoint",
@@ -127,14 +126,18 @@ def _add_export_parser(sub: Any) -> None:
                         "checkpoints/step-XXXXXXXX")
     p.add_argument("out", metavar="OUT", help="folder to write (must be empty or missing)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
-    p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
-                   help="largest safetensors file, e.g. 500MB or 5GB")
+    p.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                   help="largest safetensors file, e.g. 500MB (default: 5GB, "
+                        "lrmoe.training.export.DEFAULT_MAX_SHARD_SIZE)")
 
     def _cmd(args: argparse.Namespace) -> int:
-        from lrmoe.training.export import describe, export_checkpoint, resolve_checkpoint
+        from lrmoe.utils.extras import require
+        require("hf", "lrmoe export")
+        from lrmoe.training.export import (DEFAULT_MAX_SHARD_SIZE, describe,
+                                           export_checkpoint, resolve_checkpoint)
 
-        size = int(args.max_shard_size) if args.max_shard_size.strip().isdigit() \
-            else args.max_shard_size
+        text = args.max_shard_size or DEFAULT_MAX_SHARD_SIZE
+        size = int(text) if str(text).strip().isdigit() else text
         ckpt = resolve_checkpoint(args.run_dir)
         out = export_checkpoint(ckpt, args.out, overwrite=args.overwrite, max_shard_size=size)
         print(f"lrmoe export: {ckpt} -> {out}: {describe(out)}")
@@ -292,6 +295,8 @@ def _add_sim_parser(sub: Any) -> None:
     add_sim_arguments(p)
 
     def _cmd(args: argparse.Namespace) -> int:
+        from lrmoe.utils.extras import require
+        require("sim", "lrmoe sim (link files, figures)")
         from lrmoe.sim.report import print_summary, run_sim
         out = run_sim(args)
         print_summary(out)
@@ -305,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     ``bench layer`` where :mod:`lrmoe.bench` exists)."""
     parser = argparse.ArgumentParser(
         prog="lrmoe", description="LRMoE: exact-forward, planned-backward MoE training")
+    parser.add_argument("--version", action="version", version=version_text(),
+                        help="the lrmoe version, the torch it was built with and runs on, "
+                             "and whether its CUDA kernels are built")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _add_train_parser(sub)
@@ -315,6 +323,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_calibrate_parser(sub)
     _add_sim_parser(sub)
     return parser
+
+
+def version_text() -> str:
+    """``lrmoe --version``: e.g. ``lrmoe 0.1.0 (torch 2.11.0+cu130; built with torch
+    2.11.0+cu130, CUDA kernels: yes)``."""
+    import torch
+
+    import lrmoe
+    from lrmoe.utils.extension import build_info
+
+    info = build_info()
+    built = ("built with torch (not recorded)" if info is None else
+             f"built with torch {info.TORCH_VERSION}, CUDA kernels: "
+             f"{'yes' if info.WITH_CUDA else 'no'}")
+    return f"lrmoe {lrmoe.__version__} (torch {torch.__version__}; {built})"
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -388,6 +411,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return int(args.func(args))
     except (ValueError, FileNotFoundError, FileExistsError) as exc:
+        print(f"lrmoe {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ModuleNotFoundError as exc:
+        if "pip install 'lrmoe[" not in str(exc):  # not a missing extra: a real bug
+            raise
         print(f"lrmoe {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

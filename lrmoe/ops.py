@@ -18,7 +18,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from lrmoe import _C  # noqa: F401  (loads the library; its initialisers register the ops)
+# loads the library (after the torch check); its initialisers register the ops
+from lrmoe.utils.extension import _C  # noqa: F401
 
 METRICS = ("lrm", "grad_sq", "grad_abs", "random")
 QUOTA_RULES = ("proportional", "water_level")

@@ -63,22 +63,36 @@ from lrmoe.layer import MoECore, MoELayerBase
 from lrmoe.moe.router import Routing, _check_finite
 from lrmoe.utils.phases import phase
 
-try:
-    import transformers
-    from transformers.activations import SiLUActivation
-    from transformers.integrations.moe import _default_apply_gate
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "lrmoe.integrations.transformers needs the transformers package (pinned to 5.17.0): "
-        "pip install -r requirements/base.txt, or pip install transformers==5.17.0") from exc
+from lrmoe.utils.extras import require
 
-TESTED_TRANSFORMERS_VERSION = "5.17.0"
-if transformers.__version__ != TESTED_TRANSFORMERS_VERSION:  # pragma: no cover
+require("hf", "lrmoe.integrations.transformers")
+import transformers  # noqa: E402
+from transformers.activations import SiLUActivation  # noqa: E402
+from transformers.integrations.moe import _default_apply_gate  # noqa: E402
+
+#: the transformers releases whose MoE blocks this module's mapping is tested against
+#: (5.17 in CI; 5.24 tried by hand): [low, high)
+TESTED_TRANSFORMERS = ((5, 17), (6, 0))
+TESTED_TRANSFORMERS_VERSION = ">=5.17,<6"
+
+
+def transformers_tested(version: str) -> bool:
+    """Whether transformers ``version`` (e.g. ``"5.24.0"``, ``"5.17.0.dev0"``) lies in
+    :data:`TESTED_TRANSFORMERS`."""
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit()) if not piece.isdigit() else piece
+        parts.append(int(digits or 0))
+    low, high = TESTED_TRANSFORMERS
+    return low <= tuple(parts) < high
+
+
+if not transformers_tested(transformers.__version__):  # pragma: no cover
     warnings.warn(
         f"lrmoe.integrations.transformers maps the MoE blocks of transformers "
         f"{TESTED_TRANSFORMERS_VERSION}, but transformers {transformers.__version__} is "
         "installed; if a block's code changed, the patched model may differ from the "
-        "unpatched one (pip install transformers==5.17.0)", stacklevel=2)
+        "unpatched one (pip install 'transformers>=5.17,<6')", stacklevel=2)
 
 #: settings of the planned backward, taken from the caller (:class:`lrmoe.BackwardConfig`)
 PLANNED_BACKWARD_FIELDS = BACKWARD_FIELDS

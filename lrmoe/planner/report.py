@@ -21,6 +21,7 @@ import numpy as np
 from lrmoe.moe.stats import max_over_mean
 from lrmoe.planner import plan as P
 from lrmoe.workload.loads import synthetic_loads, trace_loads
+from lrmoe.utils.extras import require
 from lrmoe.workload.shapes import MODELS, ModelShape
 
 
@@ -229,7 +230,10 @@ def run_plan(args: argparse.Namespace) -> int:
 
     Raises:
         ValueError: bad arguments or input (the message names the option).
+        ModuleNotFoundError: ``--png`` without matplotlib (naming ``lrmoe[plots]``).
     """
+    if args.png:
+        require("plots", "lrmoe plan --png")
     shape = MODELS[args.model]
     memory = P.MemoryModel.from_shape(shape, P.parse_bytes(args.budget, "--budget"),
                                       P.parse_bytes(args.resident, "--resident"),

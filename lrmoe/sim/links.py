@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from importlib import resources
 from pathlib import Path
 from typing import Dict, Optional
 
-import yaml
 
-DEFAULT_LINKS = Path(__file__).resolve().parents[2] / "configs" / "links" / "default.yaml"
+#: package data (lrmoe/configs/, also reachable as configs/ in a checkout): found the same
+#: way in a checkout and in an installed wheel
+DEFAULT_LINKS = Path(str(resources.files("lrmoe") / "configs" / "links" / "default.yaml"))
 _FORMAT = "configs/links/default.yaml for the format"
 _KEYS = "gpus_per_node, intra_node and inter_node (each with GBps and latency_us)"
 
@@ -105,6 +107,8 @@ class Links:
                              f"{err.reason}); a link file is YAML, see {_FORMAT}") from None
         except OSError as err:
             raise ValueError(f"{where}: cannot read it ({err.strerror or err})") from None
+        import yaml  # the [sim] extra: not needed to import lrmoe
+
         try:
             d = yaml.safe_load(text)
         except yaml.YAMLError as err:

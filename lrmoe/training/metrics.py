@@ -52,8 +52,8 @@ class MetricsLog:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as exc:
-                raise ImportError("run.tensorboard needs the tensorboard package (pip install "
-                                  "tensorboard; pinned in requirements/base.txt)") from exc
+                raise ImportError("run.tensorboard needs the tensorboard package: pip install "
+                                  "'lrmoe[train]' (or pip install tensorboard)") from exc
             self.writer = SummaryWriter(str(tensorboard_dir), purge_step=purge_step)
         self._file = open(path, "a")
 

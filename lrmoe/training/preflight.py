@@ -15,6 +15,7 @@ from lrmoe.training import checkpoint as ckpt_io
 from lrmoe.training.compose import check_resume_compatible
 from lrmoe.training.config import TrainConfig, check_ep_divides
 from lrmoe.training.metrics import METRICS_FILE, SUMMARY_FILE, read_metrics
+from lrmoe.utils.extras import require
 
 
 def holds_run(run_dir: Path) -> bool:
@@ -39,8 +40,12 @@ def check_inputs(cfg: TrainConfig) -> Optional[str]:
             embeddings); a ``data.tokenizer`` that is not a file.
         ValueError: the checkpoint's expert count not divisible by ``parallel.ep_size``;
             a ``run.record_trace`` path that cannot be written.
+        ModuleNotFoundError: ``run.tensorboard`` without the tensorboard package (naming
+            ``pip install 'lrmoe[train]'``).
     """
     m, d = cfg.model, cfg.data
+    if cfg.run.tensorboard:
+        require("train", "run.tensorboard (--tensorboard)", ["tensorboard"])
     tokenizer = d.tokenizer
     if m.init_from is not None:
         src = Path(m.init_from)

@@ -16,6 +16,14 @@ from __future__ import annotations
 import os
 from typing import Callable, Optional
 
+from lrmoe.utils.extras import require
+
+# the entry of the trainer (lrmoe train and users import it): before the imports that need
+# transformers and tokenizers, a missing package is one line naming the extra
+# (tensorboard, used only with run.tensorboard, is checked by the preflight)
+require("train", "lrmoe's trainer (lrmoe train)",
+        ["transformers", "tokenizers", "safetensors", "yaml", "tqdm", "rich", "matplotlib"])
+
 from lrmoe.training.checkpoint import (find_checkpoint, list_checkpoints,
                                        read_checkpoint_config)
 from lrmoe.training.compose import (PRESETS, RESUME_MUTABLE_FIELDS, build_config,
