@@ -5,7 +5,8 @@
 # Exits non-zero if anything fails -- including pytest collecting no tests (exit 5).
 #
 # Usage: bash scripts/test.sh [extra pytest arguments]
-# Environment: everything bootstrap.sh reads; LRMOE_SKIP_CPP=1 skips the GoogleTests.
+# Environment: everything bootstrap.sh reads; LRMOE_SKIP_CPP=1 skips the GoogleTests,
+# LRMOE_SKIP_WHEEL=1 the wheel smoke (scripts/wheel_smoke.sh).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -61,13 +62,30 @@ if [[ "${LRMOE_SKIP_CPP:-0}" != 1 ]]; then
   fi
 fi
 
+# ---- install like a user (scripts/wheel_smoke.sh) ---------------------------------------
+# sdist + wheel from a clean checkout of HEAD, a fresh venv, the commands from an empty
+# folder; LRMOE_SKIP_WHEEL=1 skips it (a few minutes: the wheel compiles lrmoe._C anew)
+wheel_rc=0
+if [[ "${LRMOE_SKIP_WHEEL:-0}" != 1 ]]; then
+  t=$(now)
+  mkdir -p build/logs
+  if bash scripts/wheel_smoke.sh > build/logs/wheel.log 2>&1; then
+    log "wheel smoke passed in $(( $(now) - t )) s (log: build/logs/wheel.log)"
+  else
+    wheel_rc=1
+    tail -30 build/logs/wheel.log >&2
+    log "error: wheel smoke FAILED (log: build/logs/wheel.log)"
+  fi
+fi
+
 # ---- pytest (tests/python) ------------------------------------------------------------
 # On success pytest's summary line is the last line printed (CI reads the closing lines).
 py_rc=0
 "$VPY" -m pytest tests/python -q -ra "$@" || py_rc=$?
-if (( cpp_rc != 0 || py_rc != 0 )); then
+if (( cpp_rc != 0 || py_rc != 0 || wheel_rc != 0 )); then
   (( py_rc == 5 )) && log "error: pytest collected no tests in tests/python"
   log "FAILED: GoogleTests $( ((cpp_rc == 0)) && echo ok || echo "failed (ctest exit $cpp_rc)" )," \
+      "wheel smoke $( ((wheel_rc == 0)) && echo ok || echo failed )," \
       "pytest $( ((py_rc == 0)) && echo ok || echo "failed (pytest exit $py_rc)" );" \
       "$(( $(now) - T0 )) s"
   exit 1
