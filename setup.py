@@ -9,7 +9,7 @@ to fail loudly when CUDA cannot be built. MAX_JOBS bounds parallel compiles.
 
 The torch the extension is compiled against is recorded in ``lrmoe/_build_info.py``
 (generated, not tracked): a C++ extension runs only with that torch, so
-:mod:`lrmoe.utils.extension` compares it at import and names the fix on a mismatch.
+:func:`lrmoe.ops.load` compares it at import and names the fix on a mismatch.
 Install into your own environment with the torch you run:
 ``pip install --no-build-isolation .`` (plain ``pip install .`` builds against the
 newest torch pip finds, which must then be the one you run).

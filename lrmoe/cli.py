@@ -331,7 +331,7 @@ def version_text() -> str:
     import torch
 
     import lrmoe
-    from lrmoe.utils.extension import build_info
+    from lrmoe.ops import build_info
 
     info = build_info()
     built = ("built with torch (not recorded)" if info is None else

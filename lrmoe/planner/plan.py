@@ -24,7 +24,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from lrmoe.utils.extension import _C
+from lrmoe.ops import _C
 from lrmoe.ops import QUOTA_RULES
 from lrmoe.workload.shapes import ModelShape
 

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from lrmoe.utils.extension import _C
+from lrmoe.ops import _C
 from lrmoe.sim.costs import PER_ROW, Costs
 # the link files live in lrmoe.sim.links (the link benchmark reads them too)
 from lrmoe.sim.links import Links

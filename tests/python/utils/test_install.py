@@ -20,7 +20,8 @@ import torch
 
 import lrmoe
 from lrmoe import cli
-from lrmoe.utils import extension, extras
+from lrmoe import ops as extension
+from lrmoe.utils import extras
 
 ROOT = Path(__file__).resolve().parents[3]
 
