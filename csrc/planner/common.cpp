@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "planner/bound.h"
 #include "planner/route.h"
 
 namespace lrmoe {
@@ -275,6 +276,11 @@ Plan assemble(const PlanInput& in, PolicyKind kind, const Layout& lay,
                  " over the capacity of " + num(in.backward_row_capacity);
     }
   }
+  // lower bounds of the two objectives (plan.h; bound.h): the forward on the routed
+  // demand, the backward on this plan's quotas
+  const int64_t spare = spare_instances(in);
+  p.forward_bound = rows_lower_bound(n_E, W, spare);
+  p.backward_bound = quota_E == n_E ? p.forward_bound : rows_lower_bound(quota_E, W, spare);
   if (p.feasible) {
     p.binding_rank = -1;
   } else {
@@ -286,6 +292,14 @@ Plan assemble(const PlanInput& in, PolicyKind kind, const Layout& lay,
 }
 
 }  // namespace detail
+
+int64_t Plan::max_forward_rows() const {
+  return forward_rows_W.empty() ? 0 : *std::max_element(forward_rows_W.begin(), forward_rows_W.end());
+}
+
+int64_t Plan::max_backward_rows() const {
+  return backward_rows_W.empty() ? 0 : *std::max_element(backward_rows_W.begin(), backward_rows_W.end());
+}
 
 PolicyKind policy_kind(const std::string& name) {
   if (name == "fixed") return PolicyKind::kFixed;

@@ -97,6 +97,21 @@ struct Plan {
   int32_t binding_rank = -1;              // the rank worst over its limit (-1: none)
   int64_t shortfall = 0;                  // bytes (kMemory) or rows over the limit
   std::string reason;                     // empty when feasible
+  // Lower bounds (rows) on the objectives max_r forward_rows_W[r] and max_r
+  // backward_rows_W[r] (planner/bound.h rows_lower_bound; docs/planner.md, "Lower bound and
+  // exact optimum"). forward_bound uses the routed demand n_E, which every policy computes
+  // exactly once in the forward: the same for every policy of an instance, and <= the max
+  // forward rows of every plan of it (feasible or not). backward_bound uses this plan's
+  // quota_E: for the baselines Q = n (it equals forward_bound); for lrmoe it bounds every
+  // plan that retains these quotas, i.e. it measures where the retained rows went, not
+  // how many were cut (lrmoe may cut below Q(c) under the budget, so a bound from Q(c)
+  // would not hold). Both use the spare instances of every policy's slots
+  // (bound.h spare_instances) and no memory: memory can only forbid plans.
+  int64_t forward_bound = 0;
+  int64_t backward_bound = 0;
+
+  int64_t max_forward_rows() const;       // max_r forward_rows_W[r] (0 when W = 0)
+  int64_t max_backward_rows() const;      // max_r backward_rows_W[r]
 
   int32_t num_instances() const { return static_cast<int32_t>(instance_rank.size()); }
 };

@@ -8,7 +8,9 @@
 #include <pybind11/pybind11.h>
 
 #include <string>
+#include <vector>
 
+#include "planner/exact.h"
 #include "planner/plan.h"
 #include "python/bindings.h"
 #include "python/fields.h"
@@ -116,8 +118,61 @@ void bind_planner(py::module_ m) {
       .field("binding_rank", &Plan::binding_rank, "the rank furthest over (-1: none)")
       .field("shortfall", &Plan::shortfall, "bytes (memory) or rows over the limit")
       .field("reason", &Plan::reason, "why it does not fit ('' when it fits)")
+      .field("forward_bound", &Plan::forward_bound,
+             "rows: lower bound on the max forward rows per rank of every plan of the "
+             "instance (demand n_E; planner/bound.h)")
+      .field("backward_bound", &Plan::backward_bound,
+             "rows: lower bound on the max retained rows per rank of every plan with this "
+             "plan's quotas (demand quota_E)")
       .def("num_instances", &Plan::num_instances, "I")
+      .def("max_forward_rows", &Plan::max_forward_rows, "max forward rows per rank")
+      .def("max_backward_rows", &Plan::max_backward_rows, "max retained rows per rank")
       .done();
+
+  py::enum_<planner::PlacementModel>(m, "PlacementModel",
+                                     "Placements the exact optimum ranges over (planner/exact.h).")
+      .value("owners", planner::PlacementModel::kOwners)
+      .value("free", planner::PlacementModel::kFree);
+  using planner::ExactInput;
+  using planner::ExactResult;
+  Struct<ExactInput>(m, "ExactInput", "An instance for exact_optimum (planner/exact.h).")
+      .field("num_ranks", &ExactInput::num_ranks, "W <= 8")
+      .field("num_experts", &ExactInput::num_experts, "E <= 16")
+      .field("demand_E", &ExactInput::demand_E, "(E,) int64 rows per expert")
+      .field("model", &ExactInput::model, "PlacementModel (or its name)")
+      .field("slots", &ExactInput::slots,
+             "owners: replica slots per rank R <= 2; free: instance slots per rank S")
+      .field("limit_bytes", &ExactInput::limit_bytes, "bytes per rank (row_bytes 0: no memory)")
+      .field("base_bytes", &ExactInput::base_bytes, "bytes of every rank's fixed copies")
+      .field("replica_bytes", &ExactInput::replica_bytes, "bytes of one replica (owners)")
+      .field("row_bytes", &ExactInput::row_bytes, "bytes per row (0: no memory limit)")
+      .field("max_nodes", &ExactInput::max_nodes, "placements the search may visit")
+      .done();
+  Struct<ExactResult>(m, "ExactResult", "The exact optimum (planner/exact.h).")
+      .field("feasible", &ExactResult::feasible, "some placement fits the memory")
+      .field("proven", &ExactResult::proven, "the search finished (else: best found)")
+      .field("optimum", &ExactResult::optimum, "rows: min of the max rows per rank")
+      .field("lower_bound", &ExactResult::lower_bound, "rows: the counting bound")
+      .field("nodes", &ExactResult::nodes, "placements visited")
+      .field("holds_EW", &ExactResult::holds_EW, "(E * W,) int32 1 where an instance is")
+      .field("rows_EW", &ExactResult::rows_EW, "(E * W,) int64 rows of an optimal split")
+      .done();
+  m.def("exact_optimum", &planner::exact_optimum, py::arg("input"),
+        "exact_optimum(input: ExactInput) -> ExactResult: min over placements and integer "
+        "splits of the max rows per rank (planner/exact.h).\n\nRaises ValueError naming "
+        "the field (W > 8, E > 16, slots over the limit, ...).");
+  m.def(
+      "exact_input",
+      [](const PlanInput& input, planner::PlacementModel model, py::handle demand_E,
+         bool with_memory) {
+        std::vector<int64_t> d;
+        if (!demand_E.is_none()) d = int_vector<int64_t>(demand_E, "demand_E");
+        return planner::exact_input(input, model, d, with_memory);
+      },
+      py::arg("input"), py::arg("model"), py::arg("demand_E") = py::none(),
+      py::arg("with_memory") = true,
+        "exact_input(input: PlanInput, model, demand_E=None, with_memory=True) -> ExactInput: "
+        "the instance of a plan's input (planner/exact.h).");
 
   m.def(
       "plan",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -143,6 +143,12 @@ class Plan:
         binding_rank: the rank furthest over (-1 when feasible).
         shortfall: bytes (memory) or rows (row capacity) over the limit.
         reason: why it does not fit, naming the constraint and by how much ('' if it fits).
+        forward_bound: rows, a lower bound on the max forward rows per rank of every plan
+            of this instance, feasible or not (the routed demand n_E; the same for every
+            policy; csrc/planner/bound.h).
+        backward_bound: rows, a lower bound on the max retained rows per rank of every
+            plan that keeps this plan's quotas (``quota_E``; = ``forward_bound`` for the
+            baselines, which keep every pair).
     """
 
     policy: str
@@ -162,6 +168,16 @@ class Plan:
     binding_rank: int
     shortfall: int
     reason: str
+    forward_bound: int = 0
+    backward_bound: int = 0
+
+    def max_forward_rows(self) -> int:
+        """The objective the forward bound bounds: max rows a rank computes forward."""
+        return int(self.forward_rows_W.max().item()) if self.forward_rows_W.numel() else 0
+
+    def max_backward_rows(self) -> int:
+        """Max retained rows a rank computes in the backward."""
+        return int(self.backward_rows_W.max().item()) if self.backward_rows_W.numel() else 0
 
     def instances(self, expert: int) -> List[int]:
         """Ranks holding ``expert``, owner first."""
@@ -264,7 +280,96 @@ def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 
                 backward_rows_W=tensor(p.backward_rows_W, W),
                 memory_W4=tensor(memory_W4, W, len(MEMORY_PARTS)), limit_bytes=p.limit_bytes,
                 replicas=p.replicas, feasible=p.feasible, binding=p.binding.name,
-                binding_rank=p.binding_rank, shortfall=p.shortfall, reason=p.reason)
+                binding_rank=p.binding_rank, shortfall=p.shortfall, reason=p.reason,
+                forward_bound=p.forward_bound, backward_bound=p.backward_bound)
+
+
+#: placement models of :func:`exact_optimum` (the binding's PlacementModel): ``owners``
+#: (fixed ownership + R replicas per rank: fixed, ultraep, lrmoe) and ``free`` (any S
+#: experts per rank: symi)
+PLACEMENT_MODELS = tuple(_C.planner.PlacementModel.__members__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactOptimum:
+    """The exact optimum of the max rows per rank (csrc/planner/exact.h).
+
+    Attributes:
+        model: the placement model searched (one of :data:`PLACEMENT_MODELS`).
+        feasible: some placement fits the memory (always without memory).
+        proven: the search finished within ``max_nodes``; False: ``optimum`` is the best
+            placement found, an upper bound on the optimum.
+        optimum: rows, the smallest max rows per rank over placements and integer splits.
+        lower_bound: rows, the counting bound of csrc/planner/bound.h for this model.
+        nodes: placements visited.
+        holds_EW: (E, W) bool, an optimal placement.
+        rows_EW: (E, W) int64 rows of (expert, rank) of a split reaching ``optimum``.
+    """
+
+    model: str
+    feasible: bool
+    proven: bool
+    optimum: int
+    lower_bound: int
+    nodes: int
+    holds_EW: np.ndarray
+    rows_EW: np.ndarray
+
+
+def exact_optimum(load_WE, memory: Optional[MemoryModel] = None, replica_slots: int = 2,
+                  model: str = "owners", demand_E=None, symi_slots: int = 0,
+                  max_nodes: int = 2_000_000) -> ExactOptimum:
+    """The exact optimum of the max rows per rank of one layer, offline (small instances:
+    W <= 8, E <= 16, at most 2 spare slots per rank; docs/planner.md, "Lower bound and
+    exact optimum").
+
+    Args:
+        load_WE: (W, E) routed pairs, as for :func:`plan`.
+        memory: a :class:`MemoryModel` whose budget every rank must fit (each row charged
+            forward and backward bytes: the exact backward), or None: no memory limit.
+        replica_slots: R, replica slots per rank (``owners``), and S = ceil(E/W) + R for
+            ``free`` unless ``symi_slots`` is given.
+        model: ``owners`` (the placements of fixed, ultraep, lrmoe) or ``free`` (symi's).
+        demand_E: (E,) rows per expert to place (None: the routed demand, load_WE summed
+            over sources); e.g. lrmoe's ``plan.quota_E`` for its backward.
+        symi_slots: S for ``free`` (0: ceil(E/W) + R).
+        max_nodes: placements the search may visit before it stops (``proven`` False).
+
+    Returns:
+        An :class:`ExactOptimum`, rows per rank.
+
+    Raises:
+        ValueError: an instance beyond the limits above, E not a multiple of W for
+            ``owners``, bad sizes (naming the field).
+    """
+    if model not in PLACEMENT_MODELS:
+        raise ValueError(f"model must be one of {', '.join(PLACEMENT_MODELS)}; got {model!r}")
+    load = np.asarray(load_WE)
+    if load.ndim != 2:
+        raise ValueError(f"load_WE must be 2-D (W ranks, E experts), got shape {tuple(load.shape)}")
+    check_slots(replica_slots, symi_slots, load.shape[1])
+    W, E = load.shape
+    mem = memory if memory is not None else MemoryModel(0, 0, 0, 0, 0, 1, 0)
+    inp = plan_input(W, E, mem, replica_slots=replica_slots, symi_slots=symi_slots)
+    inp.load_WE = _as_int64(load)
+    x = _C.planner.exact_input(inp, _C.planner.PlacementModel.__members__[model],
+                               None if demand_E is None else _as_int64(demand_E),
+                               memory is not None)
+    x.max_nodes = int(max_nodes)
+    r = _C.planner.exact_optimum(x)
+    return ExactOptimum(model=model, feasible=r.feasible, proven=r.proven, optimum=r.optimum,
+                        lower_bound=r.lower_bound, nodes=r.nodes,
+                        holds_EW=np.asarray(r.holds_EW).reshape(E, W).astype(bool),
+                        rows_EW=np.asarray(r.rows_EW, dtype=np.int64).reshape(E, W))
+
+
+def instance_optimum(load_WE, replica_slots: int = 2, demand_E=None,
+                     max_nodes: int = 2_000_000) -> Tuple[ExactOptimum, ExactOptimum]:
+    """Both models' optima without memory: (owners, free). The smaller, when proven, is
+    at most every policy's max rows per rank (free holds symi's placements, owners the
+    others'); a gap is measured against ``min(owners.optimum, free.optimum)``."""
+    return (exact_optimum(load_WE, None, replica_slots, "owners", demand_E, max_nodes=max_nodes),
+            exact_optimum(load_WE, None, replica_slots, "free", demand_E, max_nodes=max_nodes))
 
 
 def _as_int64(a) -> np.ndarray:

@@ -46,6 +46,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--ep", type=int, default=8, metavar="W", help="expert-parallel size")
     m.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b",
                    help="model shape for expert and token-row bytes")
+    m.add_argument("--experts", type=int, default=0, metavar="E",
+                   help="override the model's expert count (synthetic loads; e.g. 16 with "
+                        "--exact, which takes E <= 16)")
     m.add_argument("--budget", default="80GiB", help="device memory per GPU")
     m.add_argument("--resident", default="64GiB",
                    help="bytes outside this layer's experts and token buffers")
@@ -74,6 +77,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                      help="ultraep u_min: the fewest rows a replica carries")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    out.add_argument("--exact", action="store_true",
+                     help="also compute the exact optimum of the max rows per rank (offline; "
+                          "W <= 8, E <= 16, R <= 2; no memory limit) and print each policy's "
+                          "gap to it")
     out.add_argument("--png", metavar="PREFIX",
                      help="write PREFIX_memory.png (stacked memory per policy) and "
                           "PREFIX_loads.png (per-rank loads)")
@@ -135,6 +142,10 @@ def _summary(plan: P.Plan, load_WE: np.ndarray) -> Dict[str, Any]:
         "rows_before": plan.fixed_rows_W.tolist(),
         "forward_rows": plan.forward_rows_W.tolist(),
         "backward_rows": plan.backward_rows_W.tolist(),
+        "max_forward_rows": plan.max_forward_rows(),
+        "forward_bound": plan.forward_bound,
+        "max_backward_rows": plan.max_backward_rows(),
+        "backward_bound": plan.backward_bound,
         "retained_fraction": float(q.sum() / max(1, n_E.sum())),
         "max_expert_cut": float(cut.max()),
         "quota": q.tolist(),
@@ -173,10 +184,50 @@ def _table(rows: List[Dict[str, Any]], header: str) -> str:
         q = np.asarray(r["quota"])
         lines.append(f"{r['policy']:8} " + " ".join(f"{v:.2f}" for v in per_rank)
                      + f" | Q_e min {q.min()} median {int(np.median(q))} max {q.max()}")
+    lines += ["", "max rows per rank / lower bound (csrc/planner/bound.h; the backward bound "
+              "uses the plan's own quotas)" + ("; gap to the exact optimum" if any(
+                  "exact" in r for r in rows) else "") + ":"]
+    for r in rows:
+        line = (f"{r['policy']:8} fwd {r['max_forward_rows']} / {r['forward_bound']}  "
+                f"bwd {r['max_backward_rows']} / {r['backward_bound']}")
+        x = r.get("exact")
+        if x:
+            line += (f" | optimum fwd {x['forward_optimum']}{'' if x['proven'] else ' (unproven)'}"
+                     f" gap {100 * x['forward_gap']:+.2f} %, bwd {x['backward_optimum']} gap "
+                     f"{100 * x['backward_gap']:+.2f} %")
+        lines.append(line)
     for r in rows:
         if not r["feasible"]:
             lines.append(f"{r['policy']}: infeasible: {r['reason']}")
     return "\n".join(lines)
+
+
+def exact_gaps(plans: List[P.Plan], load_WE: np.ndarray, replica_slots: int) -> List[Dict[str, Any]]:
+    """Each plan's gap to the exact optimum of its objectives (no memory limit): the forward
+    against the instance optimum of the routed demand (the smaller of the owners and free
+    models, which hold every policy's placements), the backward against the optimum of the
+    plan's own quotas (= the forward for the baselines). gap = max rows / optimum - 1.
+
+    Raises:
+        ValueError: the instance is too large for the exact search (W > 8, E > 16, R > 2).
+    """
+    def best(pair):
+        done = [x for x in pair if x.proven] or list(pair)
+        return min(x.optimum for x in done), all(x.proven for x in pair)
+
+    fwd, fwd_proven = best(P.instance_optimum(load_WE, replica_slots))
+    out = []
+    for plan in plans:
+        if plan.policy == "lrmoe" and not np.array_equal(plan.quota_E.numpy(), load_WE.sum(axis=0)):
+            bwd, bwd_proven = best(P.instance_optimum(load_WE, replica_slots, plan.quota_E.numpy()))
+        else:
+            bwd, bwd_proven = fwd, fwd_proven
+        gap = lambda v, o: (v / o - 1.0) if o > 0 else 0.0  # noqa: E731
+        out.append({"forward_optimum": fwd, "backward_optimum": bwd,
+                    "proven": fwd_proven and bwd_proven,
+                    "forward_gap": gap(plan.max_forward_rows(), fwd),
+                    "backward_gap": gap(plan.max_backward_rows(), bwd)})
+    return out
 
 
 def _figures(rows: List[Dict[str, Any]], prefix: str) -> List[Path]:
@@ -235,18 +286,29 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.png:
         require("plots", "lrmoe plan --png")
     shape = MODELS[args.model]
+    if args.experts:
+        if args.loads == "trace":
+            raise ValueError("--experts overrides the expert count of synthetic loads; a trace "
+                             "has its own")
+        if args.experts < 1:
+            raise ValueError(f"--experts must be >= 1, got {args.experts}")
+        shape = dataclasses.replace(shape, num_experts=args.experts)
     memory = P.MemoryModel.from_shape(shape, P.parse_bytes(args.budget, "--budget"),
                                       P.parse_bytes(args.resident, "--resident"),
                                       args.optimizer == "device")
     load_WE, prev_E, what = _loads(args, shape)
     policies = P.POLICIES if args.policy == "all" else (args.policy,)
-    rows = []
+    rows, plans = [], []
     for name in policies:
         plan = P.plan(load_WE, name, memory, args.recalibration_rate, args.quota_rule,
                       args.replica_slots, args.symi_slots, prev_E, args.max_expert_cut,
                       args.row_capacity, args.min_replica_rows,
                       None if args.balance < 0 else args.balance)
+        plans.append(plan)
         rows.append(_summary(plan, load_WE))
+    if args.exact:
+        for r, x in zip(rows, exact_gaps(plans, load_WE, args.replica_slots)):
+            r["exact"] = x
     header = (f"{shape.name} at W={args.ep}, {what}; budget {args.budget}, resident "
               f"{args.resident}, c={args.recalibration_rate:g} (lrmoe), R={args.replica_slots}")
     files = _figures(rows, args.png) if args.png else []
