@@ -118,19 +118,19 @@ def test_recipes_usage_errors_exit_2_without_traceback(tmp_path, recipe):
     extra = ["--sft-data", str(a_file)] if recipe == "sft.py" else []
     for bad in (["--jobs", "0"], ["--out", str(a_file)]):
         got = subprocess.run([sys.executable, str(script), "--dry-run", *extra, *bad],
-                             capture_output=True, text=True, timeout=120)
+                             capture_output=True, text=True, timeout=600)
         assert got.returncode == 2, got.stderr
         assert "Traceback" not in got.stderr and bad[0] in got.stderr, got.stderr
     if recipe == "sft.py":  # running (not analysing) needs the fine-tuning data
         got = subprocess.run([sys.executable, str(script), "--dry-run", "--out",
-                              str(tmp_path / "r")], capture_output=True, text=True, timeout=120)
+                              str(tmp_path / "r")], capture_output=True, text=True, timeout=600)
         assert got.returncode == 2 and "Traceback" not in got.stderr, got.stderr
         assert "--sft-data PATH is required" in got.stderr, got.stderr
     for bad, says in ((["--seeds", "0", "0"], "--seeds lists a seed twice"),
                       (["--analyse-only", "--out", str(tmp_path / "none")],
                        "no grid there to analyse")):
         got = subprocess.run([sys.executable, str(script), *extra, *bad], capture_output=True,
-                             text=True, timeout=120)
+                             text=True, timeout=600)
         assert got.returncode == 2 and "Traceback" not in got.stderr, got.stderr
         assert says in got.stderr, got.stderr
 
@@ -264,7 +264,7 @@ def test_offload_memory_bench_shape_checked_before_training(tmp_path):
     script = Path(__file__).resolve().parents[2] / "experiments" / "offload_memory.py"
     got = subprocess.run([sys.executable, str(script), "--dry-run", "--out", str(tmp_path),
                           "--bench-shape", "nope"], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=600)
     assert got.returncode == 2 and "--bench-shape 'nope': choose from" in got.stderr, \
         got.stderr
 

@@ -302,7 +302,7 @@ def test_ctrl_c_of_a_terminal_keeps_the_running_cells_checkpoint(tmp_path,
         time.sleep(0.2)
     assert proc.poll() is None, proc.communicate()
     os.killpg(proc.pid, signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=120)
+    stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr and "run the same command again" in stderr, stderr
     assert list((out / "c0-s0" / "checkpoints").iterdir()), "the cell lost its checkpoint"

@@ -212,7 +212,7 @@ def _run_checks(rank, world, out):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("user_loops") / "results.json"
-    _spawn(_run_checks, "gloo", 2, str(out), timeout_s=120)
+    _spawn(_run_checks, "gloo", 2, str(out), timeout_s=600)
     return json.loads(out.read_text())
 
 

@@ -380,7 +380,7 @@ def test_sim_refuses_a_corrupt_cost_file_naming_file_and_key(tmp_path, change, k
     bad = _corrupted(tmp_path / "bad.json", change)
     r = subprocess.run([sys.executable, "-m", "lrmoe", "sim", "--costs", str(bad), "--gpus",
                         "8", "--steps", "2", "--out", str(tmp_path / "out")],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 2, r.stderr
     assert re.search(rf"^lrmoe sim: error: {re.escape(str(bad))}: {key}", r.stderr, re.M), r.stderr
     assert "Traceback" not in r.stderr

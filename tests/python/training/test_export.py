@@ -78,7 +78,7 @@ def plain_load(tmp: Path, models=(), tokenizers=(), ids=None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-I", "-c", PLAIN_LOAD, str(job), str(result)],
-                       cwd=tmp, env=env, capture_output=True, text=True, timeout=120)
+                       cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return torch.load(result)
 

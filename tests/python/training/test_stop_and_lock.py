@@ -26,7 +26,7 @@ TRY_LOCK = ("import sys; from lrmoe.training.run_lock import RunLock, RunDirBusy
 
 def _try_lock_elsewhere(run_dir: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", TRY_LOCK, str(run_dir)], capture_output=True,
-                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                          text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(ROOT)))
 
 
 def test_a_second_job_is_refused_naming_the_holder_and_freed_when_it_ends(tmp_path):
@@ -53,7 +53,7 @@ def test_the_lock_of_a_killed_holder_is_free(tmp_path):
             RunLock(run)
     finally:
         holder.kill()
-        holder.wait(timeout=60)
+        holder.wait(timeout=600)
     RunLock(run).release()
     assert (run / LOCK_FILE).is_file()  # the file stays; only the lock is gone
 
@@ -108,7 +108,7 @@ def test_a_worker_gets_sigterm_when_its_launcher_is_killed(tmp_path):
         assert launcher.stdout.readline().strip() == "ready"  # the worker inherited stdout
     finally:
         launcher.kill()
-        launcher.wait(timeout=60)
+        launcher.wait(timeout=600)
     deadline = time.monotonic() + 60
     while not flag.exists() and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -391,7 +391,7 @@ def test_sigterm_saves_never_aborts_and_the_run_folder_is_locked_meanwhile(tmp_p
             try_lock = subprocess.run(
                 [sys.executable, "-c", "import sys; from lrmoe.training.run_lock import "
                  "RunLock; RunLock(sys.argv[1])", str(tmp_path / "cut")],
-                capture_output=True, text=True, timeout=120)
+                capture_output=True, text=True, timeout=600)
             refused.append(try_lock.returncode != 0 and "is in use by pid" in try_lock.stderr)
             os.kill(os.getpid(), signal.SIGTERM)
             os.kill(os.getpid(), signal.SIGTERM)
@@ -435,7 +435,7 @@ def test_cli_subprocess_ctrl_c_then_resume(tmp_path):
         time.sleep(0.2)
     assert proc.poll() is None, proc.communicate()
     proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=60)
+    stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 130, stderr
     assert "Continue with" in stderr
     ckpts = T.list_checkpoints(out)
@@ -447,7 +447,7 @@ def test_cli_subprocess_ctrl_c_then_resume(tmp_path):
     # resume from the run dir alone (config from the checkpoint), running 2 more steps
     res = subprocess.run([sys.executable, "-m", "lrmoe", "train", "--resume", str(out),
                           "--steps", str(step + 2)], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     train_steps = [r["step"] for r in T.read_metrics(metrics) if r["kind"] == "train"]
     assert train_steps == list(range(1, step + 3))

@@ -105,7 +105,7 @@ def test_every_extra_of_the_package_is_checked_by_the_same_names():
 
 def test_version_names_lrmoe_and_both_torches():
     got = subprocess.run([sys.executable, "-m", "lrmoe", "--version"], capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=600)
     assert got.returncode == 0, got.stderr
     assert got.stdout.startswith(f"lrmoe {lrmoe.__version__} (torch {torch.__version__}; "
                                  f"built with torch ")
