@@ -19,6 +19,7 @@ from lrmoe.workload.shapes import SHAPES
 from lrmoe.moe.offload import OFFLOAD_MODES
 from lrmoe.planner.plan import POLICIES
 from lrmoe.utils.paths import check_output
+from lrmoe.moe.config import BackwardConfig
 
 
 DEFAULT_TOKENS = (16384, 32768)
@@ -180,8 +181,11 @@ def run_layer(args: argparse.Namespace, argv: Optional[List[str]] = None) -> dic
                         ("--transformers-iters", args.transformers_iters, 1)):
         if v < lo:
             raise ValueError(f"{flag} must be >= {lo}, got {v}")
-    if any(not 0 <= c < 1 for c in args.rates):
-        raise ValueError(f"--rates are recalibration rates c in [0, 1), got {args.rates}")
+    for c in args.rates:  # the one check of a rate (BackwardConfig.validate)
+        try:
+            BackwardConfig(recalibration_rate=c).validate("--rates")
+        except ValueError as err:
+            raise ValueError(f"--rates are recalibration rates: {err}") from None
     for flag, values in (("--rates", args.rates), ("--shapes", args.shapes),
                          ("--tokens", args.tokens), ("--routing", args.routing),
                          ("--methods", args.methods or [])):

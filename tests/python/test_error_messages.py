@@ -272,7 +272,8 @@ def test_offload_memory_bench_shape_checked_before_training(tmp_path):
 @pytest.mark.parametrize("extra,match", [
     (["--iters", "0"], "--iters must be >= 1, got 0"),
     (["--rotate", "0"], "--rotate must be >= 1, got 0"),
-    (["--rates", "1.5"], r"--rates are recalibration rates c in \[0, 1\)"),
+    (["--rates", "1.5"], r"--rates are recalibration rates: --rates.recalibration_rate must "
+                         r"be in \[0, 1\), got 1.5"),
     (["--append-md", "{tmp}"], r"--append-md .* is a folder"),
 ] + ([] if torch.cuda.is_available() else
      [(["--device", "cuda"], "--device cuda: no CUDA device here")]))
