@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     ``bench layer`` where :mod:`lrmoe.bench` exists)."""
     parser = argparse.ArgumentParser(
         prog="lrmoe", description="LRMoE: exact-forward, planned-backward MoE training")
-    parser.add_argument("--version", action="version", version=version_text(),
+    parser.add_argument("--version", action=_VersionAction, nargs=0,
                         help="the lrmoe version, the torch it was built with and runs on, "
                              "and whether its CUDA kernels are built")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -338,6 +338,15 @@ def version_text() -> str:
              f"built with torch {info.TORCH_VERSION}, CUDA kernels: "
              f"{'yes' if info.WITH_CUDA else 'no'}")
     return f"lrmoe {lrmoe.__version__} (torch {torch.__version__}; {built})"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: :func:`version_text` on one line (argparse's own version action wraps
+    it at the terminal width) and exit 0."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
 
 
 class _HelpFormatter(argparse.HelpFormatter):
