@@ -92,10 +92,16 @@ def test_a_worker_gets_sigterm_when_its_launcher_is_killed(tmp_path):
     stop_with_launcher() and waits for SIGTERM; kill -9 of the launcher must reach it."""
     flag = tmp_path / "got-sigterm"
     worker = textwrap.dedent(f"""
-        import signal, sys, time
+        import os, signal, sys, time
         from lrmoe.training.stop import stop_with_launcher
-        signal.signal(signal.SIGTERM, lambda *a: (open({str(flag)!r}, "w").write("1"),
-                                                  sys.exit(0)))
+        def on_term(*_):
+            # written whole, then renamed: the test polls for the flag and must never see
+            # it created but still empty (it did once, on a loaded machine)
+            with open({str(flag)!r} + ".tmp", "w") as f:
+                f.write("1")
+            os.replace({str(flag)!r} + ".tmp", {str(flag)!r})
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, on_term)
         assert not stop_with_launcher()
         print("ready", flush=True)
         time.sleep(600)
@@ -109,7 +115,7 @@ def test_a_worker_gets_sigterm_when_its_launcher_is_killed(tmp_path):
     finally:
         launcher.kill()
         launcher.wait(timeout=600)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 600  # a hang guard: the signal comes at once
     while not flag.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert flag.read_text() == "1", "the orphaned worker did not get SIGTERM"
