@@ -49,6 +49,7 @@ code); so does a mapped family whose experts are not SwiGLU (``hidden_act`` not 
 """
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -78,13 +79,10 @@ TESTED_TRANSFORMERS_VERSION = ">=5.17,<6"
 
 def transformers_tested(version: str) -> bool:
     """Whether transformers ``version`` (e.g. ``"5.24.0"``, ``"5.17.0.dev0"``) lies in
-    :data:`TESTED_TRANSFORMERS`."""
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit()) if not piece.isdigit() else piece
-        parts.append(int(digits or 0))
+    :data:`TESTED_TRANSFORMERS`; a version without a major.minor prefix is not."""
+    m = re.match(r"(\d+)\.(\d+)", version)
     low, high = TESTED_TRANSFORMERS
-    return low <= tuple(parts) < high
+    return m is not None and low <= (int(m[1]), int(m[2])) < high
 
 
 if not transformers_tested(transformers.__version__):  # pragma: no cover

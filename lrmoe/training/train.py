@@ -16,13 +16,11 @@ from __future__ import annotations
 import os
 from typing import Callable, Optional
 
-from lrmoe.utils.extras import require
+from lrmoe.utils.extras import TRAIN_CORE, require
 
 # the entry of the trainer (lrmoe train and users import it): before the imports that need
 # transformers and tokenizers, a missing package is one line naming the extra
-# (tensorboard, used only with run.tensorboard, is checked by the preflight)
-require("train", "lrmoe's trainer (lrmoe train)",
-        ["transformers", "tokenizers", "safetensors", "yaml", "tqdm", "rich", "matplotlib"])
+require("train", "lrmoe's trainer (lrmoe train)", TRAIN_CORE)
 
 from lrmoe.training.checkpoint import (find_checkpoint, list_checkpoints,
                                        read_checkpoint_config)

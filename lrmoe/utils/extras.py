@@ -16,6 +16,9 @@ EXTRAS: Dict[str, Tuple[str, ...]] = {
     "plots": ("matplotlib",),
     "sim": ("yaml", "matplotlib"),
 }
+#: what the trainer cannot start without (tensorboard only serves run.tensorboard, which
+#: the preflight checks when it is set)
+TRAIN_CORE: Tuple[str, ...] = tuple(m for m in EXTRAS["train"] if m != "tensorboard")
 #: import name -> distribution name, where they differ
 _DISTRIBUTION = {"yaml": "pyyaml"}
 
