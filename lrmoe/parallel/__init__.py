@@ -23,8 +23,10 @@ Modules, in data-flow order:
 * :mod:`~lrmoe.parallel.routes` -- :class:`Routes`, the one interface a layer runs its
   experts through: :class:`LocalRoutes` (one device) or :class:`EPRoutes` (this package's
   expert parallelism); where another backend plugs in;
-* :mod:`~lrmoe.parallel.data_parallel` -- expert sharding, the non-expert gradient
-  all-reduce, the global clip and per-rank checkpoints;
+* :mod:`~lrmoe.parallel.data_parallel` -- expert sharding, the data-parallel gradient
+  sync (DDP for the non-expert parameters, the experts over dp), the global clip;
+* :mod:`~lrmoe.parallel.state` -- the sharded state (experts as DTensors) that
+  ``torch.distributed.checkpoint`` saves and re-shards;
 * :mod:`~lrmoe.parallel.hooks` -- the training loop's one door: :class:`PlacementHooks`
   (set-up, the replica push as an optimizer step hook, checkpoint state, metrics) and
   the gradient sync before the step.
@@ -44,7 +46,8 @@ Backward (planned, docs/algorithm.md section 8):
   kept rows, its saved x rows gathered and its saved h rows read in place -> return dX of
   kept pairs only -> source: scatter into dx (dropped pairs add nothing).
 Expert weight gradients stay on their rank; everything else is data-parallel
-(:func:`allreduce_non_expert_grads`, :func:`clip_grad_norm_`).
+(:class:`DataParallel`: torch's DDP plus the experts' dp sum; :func:`clip_grad_norm_`);
+the sharded checkpoint state is :mod:`~lrmoe.parallel.state`.
 
 Profiler ranges (``lrmoe bench layer --ep``; the single-device names where a step has a
 single-device twin): forward ``lrmoe.permute`` (source permute, the plan's permutation and
@@ -67,9 +70,8 @@ more int64 slot with a placement policy),
 ``backward_grad`` = R H s (kept rows of G), ``backward_index`` = 4 R (their int32
 positions), ``backward_dx`` = M H s (dX of the M kept rows its experts received).
 """
-from lrmoe.parallel.data_parallel import (EXPERT_PARAM_ATTR, allreduce_non_expert_grads,
-                                          clip_grad_norm_, expert_state_dict, is_expert_param,
-                                          load_expert_state_dict, shard_experts)
+from lrmoe.parallel.data_parallel import (EXPERT_PARAM_ATTR, DataParallel, clip_grad_norm_,
+                                          is_expert_param, shard_experts)
 from lrmoe.parallel.dispatch import (combine, combine_dx, dispatch, dispatch_grads,
                                      exchange_counts)
 from lrmoe.parallel.function import ExpertParallelFunction
@@ -86,9 +88,8 @@ __all__ = [
     "EXPERT_PARAM_ATTR", "FAILED", "DispatchPlan", "EPRoutes", "ExpertParallelFunction",
     "InstanceLayout", "LocalRoutes", "Placement", "PlacementHooks", "ReplicaState",
     "Routes", "make_routes", "placement_metrics", "push_replica_weights",
-    "allreduce_non_expert_grads", "announce_failure", "build_plan",
+    "DataParallel", "announce_failure", "build_plan",
     "check_config_across_ranks", "clip_grad_norm_", "combine", "combine_dx", "comm_device",
     "config_hash", "config_summary", "dispatch", "dispatch_grads", "exchange_counts",
-    "expert_state_dict", "init_torchrun_group", "is_expert_param", "load_expert_state_dict",
-    "raise_on_mismatch", "shard_experts", "source_shares",
+    "init_torchrun_group", "is_expert_param", "raise_on_mismatch", "shard_experts", "source_shares",
 ]

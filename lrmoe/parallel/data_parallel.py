@@ -1,23 +1,25 @@
-"""Data-parallel side of expert parallelism: gradient sync of the non-expert parameters
-(and, under DP x EP, of the expert replicas), the global gradient-norm clip and per-rank
-checkpoints of expert-sharded modules.
+"""Data-parallel side of expert parallelism: the expert sharding, the gradient sync of the
+non-expert parameters (torch's DDP) and, under DP x EP, of the expert replicas, and the
+global gradient-norm clip.
 
 Expert-sharded parameters carry ``EXPERT_PARAM_ATTR``; everything else is replicated on
 every rank.
 
-DP x EP (a (dp, ep) mesh, :func:`lrmoe.parallel.init_dp_ep_mesh`): experts are sharded
-over ep and replicated over dp, so their gradients are averaged over the dp group only;
-every other parameter is averaged over all ranks. Both use the same bucketed all-reduce
-(:func:`allreduce_non_expert_grads`). Why not FSDP2 (``fully_shard``): it would shard the
-dense parameters into DTensors, which changes the optimizer state, the checkpoint format
-and the exact single-process equality of the dense update, and the expert weights, already
-sharded by the EP layer's own all-to-all autograd, would have to be excluded from it; the
-dense part of the models this trains is small next to the experts, so replicating it costs
-little memory and keeps one code path for ``--dp 1`` and ``--dp D``.
+DP x EP (a (dp, ep) mesh, :func:`lrmoe.parallel.group.init_dp_ep_mesh`): experts are
+sharded over ep and replicated over dp, so their gradients are summed over the dp group
+only; every other parameter is averaged over all ranks by DDP (:class:`DataParallel`).
+Why DDP and not FSDP2 (``fully_shard``) for the dense part: FSDP2 would shard the dense
+parameters into DTensors, whose all-gathers before every block's forward and backward pay
+off only when the dense weights do not fit one GPU; in the MoE models this trains the
+dense part is small next to the experts (which EP already shards), so replicating it
+costs little memory, and DDP's one overlapped all-reduce per bucket is the cheaper sync.
+A user loop can still put the dense blocks under ``fully_shard`` (docs/integrations.md).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+import contextlib
+import gc
+from typing import Any, List
 
 import torch
 import torch.distributed as dist
@@ -32,66 +34,113 @@ def is_expert_param(p: Tensor) -> bool:
     return bool(getattr(p, EXPERT_PARAM_ATTR, False))
 
 
-def _sum_in_buckets(grads: List[Tensor], group, bucket_bytes: int) -> None:
-    """Sum ``grads`` over ``group`` in place: flattened into buckets of at most
-    ``bucket_bytes`` per dtype (one all-reduce per bucket, as DDP's reducer does, instead
-    of one per parameter), in list order. A collective."""
-    open_bucket: Dict[torch.dtype, List[Tensor]] = {}
-    open_bytes: Dict[torch.dtype, int] = {}
-    full: List[List[Tensor]] = []
-    for g in grads:
-        dt = g.dtype
-        open_bucket.setdefault(dt, []).append(g)
-        open_bytes[dt] = open_bytes.get(dt, 0) + g.numel() * g.element_size()
-        if open_bytes[dt] >= bucket_bytes:
-            full.append(open_bucket.pop(dt))
-            open_bytes[dt] = 0
-    for bucket in full + list(open_bucket.values()):
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat, group=group)
-        for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
-            g.copy_(part.view_as(g))
+class DataParallel:
+    """The data-parallel gradient sync of one rank: ``torch.nn.parallel.
+    DistributedDataParallel`` over the non-expert parameters, the expert shards' own
+    all-reduce over the dp group.
 
+    The loss is the MEAN of the W ranks' local losses. Non-expert parameters: DDP's
+    reducer averages them over ``world`` in buckets of ``bucket_cap_mb``, launched while
+    the backward still runs (overlapped); the expert parameters are excluded from it
+    (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``), so DDP
+    neither broadcasts nor reduces the shards, which differ between ep ranks. Expert
+    shards already sum the contributions of every token of their EP group through the
+    all-to-all; under DP x EP each shard's gradient is also summed over ``dp_group`` (the
+    ranks holding the same shard) by an asynchronous all-reduce launched from the
+    parameter's post-accumulate-grad hook, so it too overlaps the rest of the backward;
+    :meth:`finish` waits for those and divides the expert gradients by W.
 
-def allreduce_non_expert_grads(module: nn.Module, group=None,
-                               bucket_bytes: int = 64 << 20, dp_group: Optional[
-                                   dist.ProcessGroup] = None) -> None:
-    """Data-parallel gradient sync for a loss that is the MEAN of the ranks' local losses.
+    Use::
 
-    Non-expert gradients are averaged over ``group`` (W ranks): summed in buckets of at
-    most ``bucket_bytes`` per dtype, divided by W. Expert-sharded gradients already sum the
-    contributions of every token of their EP group through the all-to-all; without
-    ``dp_group`` (EP over the whole world) they are only divided by W; with ``dp_group``
-    (DP x EP: the ranks holding the same expert shard) they are first summed over it (same
-    buckets), then divided by W. Parameters without a gradient contribute zeros (every
-    rank joins the same collectives, in parameter order). A collective.
+        dp = DataParallel(model, groups.world, groups.dp)
+        for i, batch in enumerate(micro):          # grad accumulation
+            with dp.no_sync() if i < len(micro) - 1 else contextlib.nullcontext():
+                loss(dp.module, batch).backward()
+        dp.finish()                                  # before clipping / the step
 
     Args:
-        module: the model (parameters in the same order on every rank).
-        group: all W data-parallel ranks (None: WORLD).
-        bucket_bytes: largest bucket, bytes.
-        dp_group: the expert replicas' group of a (dp, ep) mesh, or None.
+        model: the (patched, expert-sharded) model, on its device.
+        world: all W data-parallel ranks (the step's group).
+        dp_group: the ranks holding the same expert shard, or None (EP over the world:
+            nothing to sum).
+        bucket_cap_mb: DDP's bucket size, MiB.
+
+    Attributes:
+        module: the DDP wrapper; call it for the training forward (the model itself stays
+            what ``model`` was: evaluation and checkpoints use it).
     """
-    world = dist.get_world_size(group)
-    dense: List[Tensor] = []
-    expert: List[Tensor] = []
-    for p in module.parameters():
-        if not p.requires_grad:
-            continue
-        if is_expert_param(p):
-            if dp_group is not None and p.grad is None:
-                p.grad = torch.zeros_like(p)
+
+    def __init__(self, model: nn.Module, world: Any, dp_group: Any = None,
+                 bucket_cap_mb: float = 25.0) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.world_size = dist.get_world_size(world)
+        self.dp_group = dp_group
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.expert_params = [p for _, p in named if is_expert_param(p)]
+        DDP._set_params_and_buffers_to_ignore_for_model(
+            model, [n for n, p in model.named_parameters() if is_expert_param(p)])
+        dev = next(model.parameters()).device
+        # DDP rebuilds its buckets in gradient-ready order after its first iteration, so
+        # with more than 2 ranks (where the all-reduce's summation order depends on a
+        # gradient's offset in its bucket) a resumed run's first step rounds differently
+        # from the straight run's: resumes are equal to float32 rounding, not bitwise
+        # (tests/python/parallel/test_dp_ep.py). find_unused_parameters=True would keep
+        # the first layout, at the price of a walk of the autograd graph per forward and
+        # a warning from every rank.
+        self.module = DDP(model, process_group=world, broadcast_buffers=False,
+                          bucket_cap_mb=bucket_cap_mb,
+                          device_ids=[dev.index] if dev.type == "cuda" else None)
+        self._sync = True
+        self._works: List[Any] = []
+        self._handles = []
+        if dp_group is not None:
+            for p in self.expert_params:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._launch))
+
+    def _launch(self, p: Tensor) -> None:
+        if self._sync:
+            self._works.append(dist.all_reduce(p.grad, group=self.dp_group, async_op=True))
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (a micro-batch before the last one): neither
+        DDP's reducer nor the expert all-reduce runs."""
+        self._sync = False
+        try:
+            with self.module.no_sync():
+                yield
+        finally:
+            self._sync = True
+
+    def finish(self) -> None:
+        """After the last micro-batch's backward: wait for the expert all-reduces, then
+        divide the expert gradients by W (the non-expert ones DDP has averaged).
+
+        Raises:
+            RuntimeError: an expert shard got no gradient in this backward (its all-reduce
+                would be missing on this rank alone).
+        """
+        works, self._works = self._works, []
+        for w in works:
+            w.wait()
+        if self.dp_group is not None and len(works) != len(self.expert_params):
+            raise RuntimeError(f"{len(self.expert_params) - len(works)} expert shard(s) got "
+                               "no gradient in this backward; every expert parameter must "
+                               "take part in the loss on every rank")
+        for p in self.expert_params:
             if p.grad is not None:
-                expert.append(p.grad)
-            continue
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        dense.append(p.grad)
-    _sum_in_buckets(dense, group, bucket_bytes)
-    if dp_group is not None:
-        _sum_in_buckets(expert, dp_group, bucket_bytes)
-    for g in dense + expert:
-        g.div_(world)
+                p.grad.div_(self.world_size)
+
+    def close(self) -> None:
+        """Remove the expert hooks and drop the DDP wrapper (its reducer), before the
+        process group is destroyed: a reducer freed during the interpreter's exit, after
+        the group, can abort a rank that finished."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.module = None
+        gc.collect()
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, group=None) -> Tensor:
@@ -99,7 +148,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, group=None) -> Tensor:
 
     Expert-sharded parameters' squared norms are summed over ``group``, the EP group
     (whose shards together hold every expert once; under DP x EP the mesh's ``"ep"``
-    group, its dp replicas hold the same gradients after :func:`allreduce_non_expert_grads`
+    group, its dp replicas hold the same gradients after :meth:`DataParallel.finish`
     and so the same norm); non-expert parameters (already identical on every rank) count
     once. A collective.
     """
@@ -120,31 +169,6 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, group=None) -> Tensor:
         for p in params:
             p.grad.mul_(factor.to(p.grad.dtype))
     return norm.float()
-
-
-def expert_state_dict(module: nn.Module, group=None) -> Dict[str, object]:
-    """This rank's checkpoint: its expert shards (all ranks) + everything else (kept by
-    every rank; rank 0's copy is the one to write), tagged with the EP size and rank."""
-    return {"ep_size": dist.get_world_size(group), "ep_rank": dist.get_rank(group),
-            "state": {k: v.detach().clone() for k, v in module.state_dict().items()}}
-
-
-def load_expert_state_dict(module: nn.Module, checkpoint: Dict[str, object],
-                           group=None) -> None:
-    """Load :func:`expert_state_dict` output saved on the same EP size and rank.
-
-    Raises:
-        ValueError: the checkpoint was written with another EP size or rank.
-    """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if checkpoint.get("ep_size") != world:
-        raise ValueError(f"checkpoint was saved with expert-parallel size "
-                         f"{checkpoint.get('ep_size')} but this run has EP size {world}; "
-                         "resume with the same --ep (resharding is not supported)")
-    if checkpoint.get("ep_rank") != rank:
-        raise ValueError(f"checkpoint shard is for EP rank {checkpoint.get('ep_rank')} but "
-                         f"this is rank {rank}; load each rank's own shard file")
-    module.load_state_dict(checkpoint["state"])
 
 
 def shard_experts(experts: nn.Module, num_experts: int, group, where: str) -> None:

@@ -38,12 +38,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lrmoe.parallel.data_parallel import allreduce_non_expert_grads, clip_grad_norm_
+from lrmoe.parallel.data_parallel import DataParallel, clip_grad_norm_
 from lrmoe.parallel.placement import measured_resident_bytes, placement_from_config
 from lrmoe.parallel.replicas import ReplicaState
 
 __all__ = ["PlacementHooks", "placement_from_config", "placement_metrics",
-           "push_replica_weights", "reduce_and_clip_grads"]
+           "push_replica_weights", "reduce_and_clip_grads", "DataParallel"]
 
 Layers = Union[nn.Module, Mapping[str, nn.Module]]
 
@@ -204,17 +204,17 @@ def placement_metrics(model: Layers) -> Dict[str, object]:
     return PlacementHooks(model).metrics()
 
 
-def reduce_and_clip_grads(model: nn.Module, max_norm: float, group, ep_group=None,
-                          dp_group=None) -> Tensor:
+def reduce_and_clip_grads(model: nn.Module, max_norm: float, data_parallel: DataParallel,
+                          ep_group=None) -> Tensor:
     """Before the optimizer step of a multi-rank run whose loss is the mean of the ranks'
-    losses: the data-parallel gradient sync over ``group`` (non-expert gradients
-    averaged, expert shards' gradients summed over ``dp_group`` under DP x EP and scaled;
-    :func:`lrmoe.parallel.data_parallel.allreduce_non_expert_grads`), then the clip to
-    the global norm ``max_norm`` (expert shards' squares summed over ``ep_group``;
+    losses: the end of the data-parallel gradient sync (:meth:`lrmoe.parallel.
+    data_parallel.DataParallel.finish`: DDP has averaged the non-expert gradients during
+    the backward; the experts' dp sums are waited for and scaled), then the clip to the
+    global norm ``max_norm`` (expert shards' squares summed over ``ep_group``;
     :func:`lrmoe.parallel.data_parallel.clip_grad_norm_`). Collectives, every rank.
 
     Returns:
         () tensor: the global gradient norm before clipping.
     """
-    allreduce_non_expert_grads(model, group, dp_group=dp_group)
+    data_parallel.finish()
     return clip_grad_norm_(model, max_norm, ep_group)

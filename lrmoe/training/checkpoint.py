@@ -1,20 +1,34 @@
-"""Checkpoints of a run: ``out_dir/checkpoints/step-XXXXXXXX/``, written atomically.
+"""Checkpoints of a run: ``run.out_dir/checkpoints/step-XXXXXXXX/``, written atomically
+by all ranks together.
 
-A checkpoint holds ``model.safetensors`` + ``config.json`` (a plain transformers
-checkpoint; under expert parallelism with more than one rank, each rank's
-``model-ep-rank-r.safetensors`` with its expert shard instead), ``tokenizer.json`` +
-``tokenizer_config.json`` (so ``transformers.AutoTokenizer`` loads it with the trainer's
-ids and pad / eos tokens), ``train_config.json`` (:class:`lrmoe.training.config.TrainConfig`),
-``trainer_state.pt`` (optimizer, scheduler, RNG states, data position, step, LRMoE backward
-counters) and ``metrics.jsonl`` (the log up to that step).
+A checkpoint (format 2) holds:
 
-``lrmoe export`` (:mod:`lrmoe.training.export`) turns a checkpoint of any EP size into one
-plain transformers checkpoint.
+* ``state/`` -- the model and optimizer tensors through ``torch.distributed.checkpoint``
+  (DCP; :mod:`lrmoe.parallel.state`): sharded, each chunk written by one rank (an expert
+  shard by its ep rank, a dense tensor or a dp replica once), with global shapes, so a
+  run resumes at another EP / DP size (E divisible by the new EP size) and each rank
+  reads only its rows;
+* ``trainer_state.pt`` -- rank 0: step, scheduler, data position (global batches),
+  optimizer hyper-parameter groups (by parameter name), LRMoE backward counters, the
+  placement's loads, counters and the sizes it was written with;
+* ``ranks/rank-r.pt`` + ``ranks/metrics-rank-r.jsonl`` -- every rank's RNG states and
+  its log up to the step;
+* ``config.json`` (the transformers model config), ``tokenizer.json`` +
+  ``tokenizer_config.json`` (so ``transformers.AutoTokenizer`` loads it with the
+  trainer's ids and pad / eos tokens), ``train_config.json``
+  (:class:`lrmoe.training.config.TrainConfig`) and ``metrics.jsonl`` (rank 0's log).
 
-Where each rank keeps its files (:func:`rank_dir`): ep rank 0 in ``out_dir``, ep rank
-e > 0 in ``out_dir/ep-rank-e``; under DP x EP only dp rank 0 of each ep shard writes
-checkpoints there, dp rank d > 0 keeps its logs (no checkpoint) in ``<that>/dp-rank-d``
-and resumes from its ep shard's checkpoint (:func:`shard_checkpoint`).
+Every rank must see the same ``run.out_dir`` (one filesystem, as DCP's file writer
+needs). ``lrmoe export`` (:mod:`lrmoe.training.export`) turns a checkpoint into one plain
+transformers checkpoint; ``model.init_from`` reads one directly.
+
+Checkpoints of earlier versions (format 1: ``model.safetensors`` of a single-process
+run, or per-rank ``model-ep-rank-e.safetensors`` files) are not resumed; a
+single-process one is a transformers checkpoint that ``model.init_from`` and
+``lrmoe export`` still read.
+
+Rank folders (:func:`rank_dir`) keep each rank's logs: ep rank 0 in ``out_dir``, ep rank
+e > 0 in ``out_dir/ep-rank-e``, dp rank d > 0 of DP x EP in ``<that>/dp-rank-d``.
 """
 from __future__ import annotations
 
@@ -27,7 +41,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from lrmoe.data.tokenizer import write_tokenizer_config
 from lrmoe.training.compose import read_config_json
@@ -38,6 +52,8 @@ STATE_FILE = "trainer_state.pt"
 TRAIN_CONFIG_FILE = "train_config.json"
 #: Folders a save in progress writes (``.tmp-step-*``) or is replacing (``.old-step-*``).
 STALE_PREFIXES = (".tmp-", ".old-")
+#: the DCP folder of a checkpoint and the folder of the ranks' own files
+STATE_DIR, RANKS_DIR = "state", "ranks"
 
 
 def rank_dir(out_dir: str | os.PathLike, ep_rank: int = 0, dp_rank: int = 0) -> Path:
@@ -47,16 +63,6 @@ def rank_dir(out_dir: str | os.PathLike, ep_rank: int = 0, dp_rank: int = 0) -> 
     if ep_rank > 0:
         path = path / f"ep-rank-{ep_rank}"
     return path / f"dp-rank-{dp_rank}" if dp_rank > 0 else path
-
-
-def shard_checkpoint(ckpt: str | os.PathLike, ep_rank: int) -> Path:
-    """Ep shard ``ep_rank``'s copy of the checkpoint ``ckpt`` of ep rank 0: the same step
-    under ``ep-rank-e`` (``out/checkpoints/step-X`` -> ``out/ep-rank-e/checkpoints/step-X``);
-    ``ckpt`` itself for ep rank 0."""
-    c = Path(ckpt)
-    if ep_rank == 0:
-        return c
-    return rank_dir(c.parent.parent, ep_rank) / c.parent.name / c.name
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> List[Path]:
@@ -100,7 +106,8 @@ def read_checkpoint_config(ckpt: str | os.PathLike) -> TrainConfig:
 
 def remove_stale_saves(run_dir: str | os.PathLike) -> List[Path]:
     """Delete the ``checkpoints/.tmp-step-*`` / ``.old-step-*`` folders that a process
-    killed during a save left behind. Returns the removed paths."""
+    killed during a save left behind (rank 0, before the first save). Returns the
+    removed paths."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
@@ -154,42 +161,48 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def save_checkpoint(run_dir: Path, step: int, *, model: nn.Module, cfg: TrainConfig,
-                    state: Mapping[str, Any], tokenizer_path: Path, metrics_path: Path,
-                    sharded_rank: Optional[int], keep: int) -> Path:
-    """Write ``run_dir/checkpoints/step-<step>`` atomically (a ``.tmp-`` folder renamed
-    into place) and keep the newest ``keep`` checkpoints.
+def is_sharded_checkpoint(ckpt: str | os.PathLike) -> bool:
+    """Whether ``ckpt`` is a format-2 checkpoint (a DCP ``state/`` folder)."""
+    return (Path(ckpt) / STATE_DIR / ".metadata").is_file()
+
+
+def begin_save(run_dir: Path, step: int) -> Path:
+    """Rank 0, before a save: an empty ``run_dir/checkpoints/.tmp-step-<step>`` folder
+    (one that an interrupted save left is cleared first). Returns it."""
+    root = run_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{CHECKPOINT_PREFIX}{step:08d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / RANKS_DIR).mkdir(parents=True)
+    return tmp
+
+
+def write_rank_files(tmp: Path, rank: int, metrics_path: Path) -> None:
+    """Every rank: its RNG states and a copy of its log (flush the log first)."""
+    torch.save({"rng": rng_state(), "metrics_bytes": int(metrics_path.stat().st_size)},
+               tmp / RANKS_DIR / f"rank-{rank}.pt")
+    shutil.copyfile(metrics_path, tmp / RANKS_DIR / f"metrics-rank-{rank}.jsonl")
+
+
+def finish_save(tmp: Path, *, model: nn.Module, cfg: TrainConfig, state: Mapping[str, Any],
+                tokenizer_path: Path, metrics_path: Path, keep: int) -> Path:
+    """Rank 0, after every rank wrote its part into ``tmp``: the run's files, then the
+    rename into ``checkpoints/step-<step>`` (replacing one of the same step) and the
+    pruning to the newest ``keep`` checkpoints.
 
     Args:
-        run_dir: this rank's run directory.
-        step: optimizer steps done.
-        model: the (patched) transformers model.
-        cfg: written as ``train_config.json``.
-        state: ``trainer_state.pt`` contents (tensors, numbers, lists, dicts).
-        tokenizer_path, metrics_path: copied in (flush the metrics file first); the
-            tokenizer's ``tokenizer_config.json`` is written beside it.
-        sharded_rank: None writes a transformers checkpoint (``save_pretrained``); a rank
-            writes its raw state dict (its expert shard + the dense weights) as
-            ``model-ep-rank-<rank>.safetensors``, which only a resume reads.
+        tmp: :func:`begin_save`'s folder. model: the transformers model (its config is
+            written as ``config.json``, its generation config as ``generation_config.json``). cfg: written as ``train_config.json``. state:
+            ``trainer_state.pt`` contents (tensors, numbers, lists, dicts; its ``step``
+            names the folder). tokenizer_path, metrics_path: copied in.
         keep: checkpoints to keep (>= 1).
 
     Returns:
         The checkpoint directory.
     """
-    root = run_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{CHECKPOINT_PREFIX}{step:08d}"
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    if sharded_rank is None:
-        model.save_pretrained(tmp, safe_serialization=True)
-    else:
-        from safetensors.torch import save_file
-
-        model.config.save_pretrained(tmp)
-        save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()},
-                  str(tmp / f"model-ep-rank-{sharded_rank}.safetensors"))
+    model.config.save_pretrained(tmp)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(tmp)
     shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
     # without it AutoTokenizer picks the model type's tokenizer class, whose own
     # pre-tokenizer gives other ids, and uses eos as pad (issue 27)
@@ -197,36 +210,38 @@ def save_checkpoint(run_dir: Path, step: int, *, model: nn.Module, cfg: TrainCon
     (tmp / TRAIN_CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     shutil.copyfile(metrics_path, tmp / metrics_path.name)
     torch.save(dict(state), tmp / STATE_FILE)
+    root = tmp.parent
+    final = root / f"{CHECKPOINT_PREFIX}{int(state['step']):08d}"
     if final.exists():
         trash = root / f".old-{final.name}-{os.getpid()}"
         os.replace(final, trash)
         shutil.rmtree(trash, ignore_errors=True)
     os.replace(tmp, final)
-    for old in list_checkpoints(run_dir)[:-keep]:
+    for old in list_checkpoints(root.parent)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def load_ep_weights(model: nn.Module, ckpt: Path) -> None:
-    """Load this rank's ``model-ep-rank-r.safetensors`` into the (sharded) model.
+def read_rank_state(ckpt: Path, rank: int) -> Optional[Dict[str, Any]]:
+    """``ranks/rank-<rank>.pt`` of ``ckpt`` (RNG states, log length), or None when the
+    checkpoint was written by fewer ranks."""
+    f = ckpt / RANKS_DIR / f"rank-{rank}.pt"
+    return torch.load(f, map_location="cpu", weights_only=True) if f.is_file() else None
+
+
+def check_resumable(ckpt: Path) -> None:
+    """Refuse a checkpoint that this version cannot resume (format 1), naming the way on.
 
     Raises:
-        FileNotFoundError: no weights in ``ckpt``.
-        ValueError: the weights do not fit this rank's shard (another EP size).
+        ValueError: ``ckpt`` has no DCP ``state/`` folder.
     """
-    from safetensors.torch import load_file
-
-    files = sorted(ckpt.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{ckpt}: no *.safetensors weights of this EP rank")
-    weights: Dict[str, Tensor] = {}
-    for f in files:
-        weights.update(load_file(str(f)))
-    own = model.state_dict()
-    bad = [k for k, v in weights.items() if k in own and own[k].shape != v.shape]
-    missing = [k for k in own if k not in weights and not k.endswith("rotary_emb.inv_freq")]
-    if bad or missing:
-        raise ValueError(f"{ckpt}: weights do not fit this rank's expert shard "
-                         f"(shape mismatch: {bad[:3]}, missing: {missing[:3]}); resume "
-                         "with the same parallel.ep_size")
-    model.load_state_dict(weights, strict=False)
+    if is_sharded_checkpoint(ckpt):
+        return
+    plain = (ckpt / "model.safetensors").is_file()
+    raise ValueError(
+        f"{ckpt} was written by an earlier lrmoe (no {STATE_DIR}/ folder: "
+        + ("a transformers checkpoint" if plain else "per-rank shard files")
+        + ") and cannot be resumed; "
+        + (f"start a new run from its weights with --set model.init_from={ckpt} "
+           "(the optimizer state is not carried over)" if plain else
+           "resume it with the lrmoe version that wrote it"))

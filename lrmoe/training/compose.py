@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
@@ -25,6 +26,9 @@ RESUME_MUTABLE_FIELDS = frozenset({
     "run.keep_checkpoints", "run.out_dir", "run.device", "run.torch_threads", "run.progress",
     "data.cache_dir", "run.record_trace", "run.trace_every", "run.tensorboard",
     "run.time_moe", "run.export"})
+#: may change on resume together, as long as the global batch (their product, in
+#: micro-batches of data.batch_size) stays: the checkpoint re-shards (lrmoe.parallel.state)
+RESUME_LAYOUT_FIELDS = ("parallel.ep_size", "parallel.dp_size", "data.grad_accum")
 
 
 
@@ -183,7 +187,9 @@ def check_resume_compatible(saved: TrainConfig, new: TrainConfig,
     """Refuse to resume a run under settings that change the model, data or optimisation.
 
     Allowed to differ: :data:`RESUME_MUTABLE_FIELDS` (``run.steps``, the eval/log/save
-    cadence, ``run.out_dir``, ``run.device``, ...). ``optim.lr_decay_steps`` = None in
+    cadence, ``run.out_dir``, ``run.device``, ...), and the EP size, DP size and
+    gradient accumulation (:data:`RESUME_LAYOUT_FIELDS`) when their product, the global
+    batch in micro-batches, stays the same. ``optim.lr_decay_steps`` = None in
     ``new`` inherits the checkpoint's schedule (``saved_decay_steps``).
 
     Raises:
@@ -191,8 +197,17 @@ def check_resume_compatible(saved: TrainConfig, new: TrainConfig,
     """
     a, b = flatten(saved.to_dict()), flatten(new.to_dict())
     diffs = []
+    was = [int(a[k]) for k in RESUME_LAYOUT_FIELDS]
+    now = [int(b[k]) for k in RESUME_LAYOUT_FIELDS]
+    if math.prod(was) != math.prod(now):
+        ep, dp, accum = now
+        fix = (f"; keep it with --set data.grad_accum={math.prod(was) // (ep * dp)}"
+               if math.prod(was) % (ep * dp) == 0 else "")
+        diffs.append(f"the global batch: checkpoint ep_size x dp_size x grad_accum = "
+                     f"{' x '.join(map(str, was))} = {math.prod(was)} micro-batches, now "
+                     f"{' x '.join(map(str, now))} = {math.prod(now)}{fix}")
     for key in a:
-        if key in RESUME_MUTABLE_FIELDS:
+        if key in RESUME_MUTABLE_FIELDS or key in RESUME_LAYOUT_FIELDS:
             continue
         va, vb = a[key], b.get(key)
         if key == "optim.lr_decay_steps":

@@ -1,5 +1,5 @@
 """Processes of a run: torchrun / expert-parallel join, rank-0 printing, set-up steps that
-rank 0 does first, the per-step agreement on stopping and the checkpoint writes of DP x EP.
+rank 0 does first, the per-step agreement on stopping.
 
 A run joins a process group when ``parallel.ep_size * parallel.dp_size > 1`` or when
 torchrun launched it (EP size 1 then runs the expert-parallel layer over a group of one).
@@ -169,46 +169,3 @@ def reduce_step_totals(group: Any, nll_sum: Tensor, num_loss: int, stop: bool
     torch.distributed.all_reduce(totals, group=group)
     n, stops = (int(v) for v in totals[1:].tolist())
     return totals[0], n, bool(stops)
-
-
-
-def write_once_per_dp_group(groups: Any, write: Callable[[], T], where: T, what: str) -> T:
-    """Under DP x EP, dp rank 0 of each ep shard runs ``write`` (its shard's files) while
-    the other dp ranks, which hold the same state, only wait; then every rank agrees that
-    all writes succeeded (one all-reduce over WORLD, like :func:`rank0_first`), so a write
-    that fails stops every rank at once instead of leaving them in the next collective.
-
-    Args:
-        groups: :class:`lrmoe.parallel.group.DpEpGroups` or None (single process).
-        write: the write; its result is returned on the writers.
-        where: what the non-writers return (the writer's path).
-        what: for the error message.
-
-    Returns:
-        ``write()`` on writers (every rank when there is no dp group), ``where`` on the
-        others.
-
-    Raises:
-        whatever ``write`` raises on a writer; RuntimeError on the other ranks when a
-        writer failed.
-    """
-    if groups is None or groups.dp is None:
-        return write()
-    import torch.distributed as dist
-
-    def agree(ok: bool) -> bool:
-        flag = torch.tensor([0.0 if ok else 1.0], device=_comm_device())
-        dist.all_reduce(flag, group=groups.world)
-        return float(flag) == 0.0
-
-    value = where
-    if groups.dp_rank == 0:
-        try:
-            value = write()
-        except BaseException:
-            agree(False)
-            raise
-    if not agree(True):
-        raise RuntimeError(f"a writer rank failed while {what} (its message is above); rank "
-                           f"{groups.rank} stops too")
-    return value

@@ -46,8 +46,8 @@ def _load_balancing_loss_func(model: nn.Module) -> Any:
     return fn
 
 
-def lm_forward(model: nn.Module, batch: Batch, *, aux_loss: bool) -> Tuple[Tensor,
-                                                                           Optional[Tensor]]:
+def lm_forward(model: nn.Module, batch: Batch, *, aux_loss: bool,
+               wrapper: Optional[nn.Module] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """Call a transformers causal LM on ``batch``.
 
     The model gets the batch's position ids (restarting per packed example: transformers
@@ -61,12 +61,14 @@ def lm_forward(model: nn.Module, batch: Batch, *, aux_loss: bool) -> Tuple[Tenso
         model: e.g. a (patched) ``Qwen3MoeForCausalLM``.
         batch: on the model's device.
         aux_loss: also compute the load-balancing loss (``output_router_logits=True``).
+        wrapper: what to call instead of ``model`` (its DDP wrapper), or None.
 
     Returns:
         ``(logits (B, S, V), aux () float32 or None)``; aux is None without router logits.
     """
-    out = model(input_ids=batch.input_ids_BS, position_ids=batch.position_ids_BS,
-                use_cache=False, output_router_logits=aux_loss)
+    call = wrapper if wrapper is not None else model
+    out = call(input_ids=batch.input_ids_BS, position_ids=batch.position_ids_BS,
+               use_cache=False, output_router_logits=aux_loss)
     aux = None
     router_logits = getattr(out, "router_logits", None) if aux_loss else None
     if router_logits:

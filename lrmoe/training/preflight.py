@@ -73,31 +73,28 @@ def check_inputs(cfg: TrainConfig) -> Optional[str]:
     return tokenizer
 
 
-def read_resume(ckpt: Path, cfg: TrainConfig, ep_rank: int) -> Tuple[Dict[str, Any], int]:
+def read_resume(ckpt: Path, cfg: TrainConfig) -> Tuple[Dict[str, Any], int]:
     """Read the state of the checkpoint a run resumes from and check that ``cfg`` may
-    continue it.
+    continue it (every rank reads the same checkpoint).
 
     Args:
-        ckpt: this rank's checkpoint directory (``checkpoints/step-XXXXXXXX``, or its
-            ``ep-rank-e`` shard). cfg: the resumed run's config. ep_rank: this rank.
+        ckpt: the checkpoint directory (``checkpoints/step-XXXXXXXX``). cfg: the resumed
+            run's config.
 
     Returns:
         (the saved training state as ``torch.load`` gives it, the run's lr decay step).
 
     Raises:
-        FileNotFoundError: ``ckpt`` is not a checkpoint (or not of this EP size).
-        ValueError: a setting that differs from the checkpoint's in a way that breaks the
-            continuation (:func:`lrmoe.training.compose.check_resume_compatible` names it).
+        FileNotFoundError: ``ckpt`` is not a checkpoint.
+        ValueError: a checkpoint of an earlier version, or a setting that differs from the
+            checkpoint's in a way that breaks the continuation
+            (:func:`lrmoe.training.compose.check_resume_compatible` names it).
     """
     if not (ckpt / ckpt_io.STATE_FILE).is_file():
-        if ep_rank > 0:
-            raise FileNotFoundError(
-                f"no checkpoint of EP rank {ep_rank} at {ckpt}: the checkpoint was "
-                "written with another EP size (or without --ep); resume with the --ep "
-                "it was saved with")
         raise FileNotFoundError(f"{ckpt} is not a checkpoint (no {ckpt_io.STATE_FILE}); "
                                 "pass a checkpoint directory (checkpoints/step-XXXXXXXX) "
                                 "or a run directory")
+    ckpt_io.check_resumable(ckpt)
     saved = ckpt_io.read_checkpoint_config(ckpt)
     state = torch.load(ckpt / ckpt_io.STATE_FILE, map_location="cpu", weights_only=True)
     decay_steps = int(state["lr_decay_steps"])

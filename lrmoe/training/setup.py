@@ -123,19 +123,37 @@ def check_same_data(saved: Mapping[str, Any], now: Mapping[str, Any]) -> None:
                          "data files or the tokenizer changed):\n  " + "\n  ".join(diffs))
 
 
-def build_model(cfg: TrainConfig, data: LMData, source: Optional[Path]) -> nn.Module:
-    """The float32 transformers model: loaded from ``source`` (a checkpoint or
-    ``model.init_from``), else a ``Qwen3MoeForCausalLM`` of the ``model`` section at
-    ``run.seed`` with the data's vocabulary and special tokens. Not yet patched by LRMoE.
+def build_model(cfg: TrainConfig, data: LMData, source: Optional[Path], *,
+                load_weights: bool = True) -> nn.Module:
+    """The float32 transformers model: from ``source`` (``model.init_from`` or the
+    checkpoint a run resumes: a transformers checkpoint, or an lrmoe checkpoint whose
+    weights are in its DCP ``state/`` folder), else a ``Qwen3MoeForCausalLM`` of the
+    ``model`` section at ``run.seed`` with the data's vocabulary and special tokens. Not
+    yet patched by LRMoE.
+
+    Args:
+        load_weights: False builds ``source``'s architecture at ``run.seed`` without its
+            weights (a resume loads them after the experts are sharded).
 
     Raises:
         ValueError: the tokenizer has more tokens than ``source``'s embeddings.
     """
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     m = cfg.model
-    if source is not None:
+    if source is not None and (ckpt_io.is_sharded_checkpoint(source) or not load_weights):
+        torch.manual_seed(cfg.run.seed)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source),
+                                                 dtype=torch.float32)
+        if load_weights:  # every tensor whole, read by this process alone
+            from lrmoe.parallel.state import load_whole
+
+            with torch.no_grad():
+                load_whole(str(Path(source) / ckpt_io.STATE_DIR), model.state_dict())
+    elif source is not None:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    if source is not None:
         if data.vocab_size > model.config.vocab_size:
             raise ValueError(f"the tokenizer has {data.vocab_size} tokens but the model "
                              f"{source} only {model.config.vocab_size} embeddings; use the "

@@ -24,6 +24,7 @@ a failed or interrupted start leaves the directory as it was):
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -37,7 +38,10 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import Tensor
 
-from lrmoe.parallel.hooks import PlacementHooks, placement_from_config, reduce_and_clip_grads
+from lrmoe.parallel.hooks import (DataParallel, PlacementHooks, placement_from_config,
+                                  reduce_and_clip_grads)
+from lrmoe.parallel.state import (checkpoint_mesh, load_sharded_state, optimizer_groups,
+                                  save_sharded_state)
 from lrmoe.training import checkpoint as ckpt_io
 from lrmoe.training import distributed as dist_io
 from lrmoe.training import preflight, setup
@@ -66,7 +70,7 @@ class TrainResult:
         interrupted: stopped by Ctrl-C (a checkpoint was saved).
         out_dir: the run directory. checkpoint: the last checkpoint written (or None).
         summary: the final summary (also in ``summary.json``).
-        model: the trained (patched) model.
+        model: the trained (patched) model. optimizer: its optimizer (after the last step).
         export: the folder of the plain transformers export (``run.export``), or None
             (stopped early, ``run.export`` false, or not rank 0).
     """
@@ -77,6 +81,7 @@ class TrainResult:
     checkpoint: Optional[Path]
     summary: Dict[str, Any]
     model: Any = None
+    optimizer: Any = None
     export: Optional[Path] = None
 
 
@@ -114,14 +119,9 @@ class Trainer:
         self.ep_group, self.dp_group = (g.ep, g.dp) if g is not None else (None, None)
         self.ep_rank, self.dp_rank = (g.ep_rank, g.dp_rank) if g is not None else (0, 0)
         self.device = setup.resolve_device(dist_io.local_device(cfg.run.device))
-        # ep ranks > 0 keep their files (expert shards) in out_dir/ep-rank-e, dp ranks > 0
-        # only their logs below that (checkpoint.rank_dir)
+        # ranks other than (ep 0, dp 0) keep their logs in out_dir/ep-rank-e[/dp-rank-d];
+        # checkpoints are written by all ranks together into out_dir (checkpoint.py)
         self.out_dir = ckpt_io.rank_dir(cfg.run.out_dir, self.ep_rank, self.dp_rank)
-        if resume is not None:  # this rank's shard of the same checkpoint
-            resume = ckpt_io.shard_checkpoint(resume, self.ep_rank)
-        # expert shards are saved per rank only when there is more than one rank: at EP
-        # size 1 rank 0 holds every expert and writes an ordinary transformers checkpoint
-        self.sharded = cfg.parallel.ep_size > 1
         self.stop_requested = False
         self._stop_all = False  # expert parallel: some rank asked to stop (agreed)
         self.step = 0
@@ -130,8 +130,7 @@ class Trainer:
         self._state: Optional[Dict[str, Any]] = None
         self.resume_from = Path(resume) if resume is not None else None
         if self.resume_from is not None:
-            self._state, self.decay_steps = preflight.read_resume(self.resume_from, cfg,
-                                                                  self.ep_rank)
+            self._state, self.decay_steps = preflight.read_resume(self.resume_from, cfg)
         else:
             self.decay_steps = preflight.check_fresh(cfg, self.out_dir, overwrite)
         self._lock: Optional[RunLock] = None
@@ -167,9 +166,10 @@ class Trainer:
             setup.check_same_data(self._state["data_fingerprint"], self.data_fingerprint)
         source = self.resume_from or (Path(cfg.model.init_from) if cfg.model.init_from
                                       else None)
-        if self.sharded and self.resume_from is not None:
-            source = None  # expert-sharded weights: built whole, sharded, then loaded
-        self.model = setup.build_model(cfg, self.data, source)
+        # a resume's weights are loaded after the experts are sharded (each rank reads
+        # its own rows), with the optimizer state
+        self.model = setup.build_model(cfg, self.data, source,
+                                       load_weights=self.resume_from is None)
         self.num_params = sum(p.numel() for p in self.model.parameters())
         patched = patch_moe_blocks(self.model, cfg.backward, ep_group=self.ep_group,
                                    policy=placement_from_config(cfg.parallel))
@@ -178,8 +178,6 @@ class Trainer:
                              "that lrmoe can replace")
         self.lrmoe_layers = dict(patched)
         self.placement = PlacementHooks(self.lrmoe_layers)
-        if self.sharded and self.resume_from is not None:
-            ckpt_io.load_ep_weights(self.model, self.resume_from)
         self.trace = None
         if cfg.run.record_trace:
             from lrmoe.workload.trace import RoutingTrace
@@ -198,6 +196,14 @@ class Trainer:
                                                          self.decay_steps)
         # replica copies pushed after every optimizer step, for the policies that keep them
         self.placement.attach(self.optimizer)
+        self.mesh = checkpoint_mesh(self.groups)
+        if self._state is not None:
+            load_sharded_state(str(self.resume_from / ckpt_io.STATE_DIR), self.model,
+                               self.optimizer, self._state["optimizer_groups"], self.mesh,
+                               self.group)
+        # DDP over the non-expert parameters, the experts' own sum over dp
+        self.data_parallel = (DataParallel(self.model, self.group, self.dp_group)
+                              if self.group is not None else None)
         position = self._state["data_position"] if self._state is not None else {}
         self.stream = BatchStream(
             self.data.train, d.batch_size, cfg.run.seed,
@@ -209,7 +215,7 @@ class Trainer:
             self._load_state(self._state)
 
     def _load_state(self, state: Dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        # the model and optimizer tensors came in with load_sharded_state
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         counters = state["lrmoe_backward_steps"]
@@ -224,6 +230,18 @@ class Trainer:
         log(f"resumed from {self.resume_from} at step {self.step} (epoch "
             f"{self.stream.epoch}, batch {self.stream.index})")
 
+    def _rank_rng(self) -> Dict[str, Any]:
+        """This rank's RNG states from the checkpoint; a rank the saving run did not have
+        takes those of rank ``rank % saved world`` (its random stream then differs from
+        any straight run's)."""
+        saved_world = int(self._state["ep_size"]) * int(self._state["dp_size"])
+        own = ckpt_io.read_rank_state(self.resume_from, self.rank % saved_world)
+        if own is None:
+            raise FileNotFoundError(f"{self.resume_from}: no {ckpt_io.RANKS_DIR}/rank-"
+                                    f"{self.rank % saved_world}.pt; the checkpoint is "
+                                    "incomplete, resume an earlier one")
+        return own["rng"]
+
     def _open_run_dir(self) -> None:
         """Set-up succeeded: from here on the run directory is written."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -232,7 +250,12 @@ class Trainer:
         metrics = self.out_dir / METRICS_FILE
         if self.resume_from is not None:
             # the log up to the checkpoint's step: the resumed file equals a straight run's
-            shutil.copyfile(self.resume_from / METRICS_FILE, metrics)
+            own = (self.resume_from / METRICS_FILE if self.rank == 0 else
+                   self.resume_from / ckpt_io.RANKS_DIR / f"metrics-rank-{self.rank}.jsonl")
+            if own.is_file():
+                shutil.copyfile(own, metrics)
+            else:  # a rank the checkpoint's run did not have
+                metrics.write_text("")
         else:
             for name in RUN_FILES:
                 (self.out_dir / name).unlink(missing_ok=True)
@@ -245,33 +268,42 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step-XXXXXXXX`` atomically and keep the newest
-        ``run.keep_checkpoints``. Returns the checkpoint directory."""
+        """Write ``checkpoints/step-XXXXXXXX`` atomically, all ranks together (rank 0 the
+        run's files, every rank its rows of the DCP state and its RNG) and keep the newest
+        ``run.keep_checkpoints``. Returns the checkpoint directory (on every rank)."""
         self.metrics.flush()
         metrics = self.out_dir / METRICS_FILE
+        root = Path(self.cfg.run.out_dir)
+        name = f"{ckpt_io.CHECKPOINT_PREFIX}{self.step:08d}"
+        tmp = root / "checkpoints" / f".tmp-{name}"
+        run_all = functools.partial(dist_io.on_every_rank, self.group, self.rank)
+        run_all(lambda: ckpt_io.begin_save(root, self.step) if self.rank == 0 else None,
+                "preparing a checkpoint folder")
+
+        def write_own() -> None:
+            save_sharded_state(str(tmp / ckpt_io.STATE_DIR), self.model, self.optimizer,
+                               self.mesh, self.group)
+            ckpt_io.write_rank_files(tmp, self.rank, metrics)
+
+        run_all(write_own, "saving a checkpoint")
         state = {
-            "format": 1, "step": self.step,
-            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-            "rng": ckpt_io.rng_state(), "data_position": self.stream.position(),
+            "format": 2, "step": self.step,
+            "optimizer_groups": optimizer_groups(self.model, self.optimizer),
+            "scheduler": self.scheduler.state_dict(), "data_position": self.stream.position(),
             "lrmoe_backward_steps": {n: int(l.stats.backward_steps)
                                      for n, l in self.lrmoe_layers.items()},
             "lr_decay_steps": int(self.decay_steps), "tokens_seen": int(self.tokens_seen),
             "elapsed_s": float(self.elapsed_before + time.perf_counter() - self._t_start),
             "metrics_bytes": int(metrics.stat().st_size),
             "data_fingerprint": self.data_fingerprint,
-            "ep_size": int(self.cfg.parallel.ep_size), "ep_rank": int(self.ep_rank),
-            "dp_size": int(self.cfg.parallel.dp_size)}
-        if self.placement.active:  # symi plans from the last step's loads
-            state["placement"] = self.placement.state_dict()
-        # DP x EP: the dp replicas of a shard hold the same state; dp rank 0 writes it
-        shard_dir = ckpt_io.rank_dir(self.cfg.run.out_dir, self.ep_rank)
-        final = dist_io.write_once_per_dp_group(self.groups, lambda: ckpt_io.save_checkpoint(
-            shard_dir, self.step, model=self.model, cfg=self.cfg, state=state,
+            "ep_size": int(self.cfg.parallel.ep_size), "dp_size": int(self.cfg.parallel.dp_size)}
+        if self.placement.active:  # symi plans from the last step's loads (the same on
+            state["placement"] = self.placement.state_dict()  # every rank)
+        final = run_all(lambda: ckpt_io.finish_save(
+            tmp, model=self.model, cfg=self.cfg, state=state,
             tokenizer_path=self.data.tokenizer_path, metrics_path=metrics,
-            sharded_rank=self.ep_rank if self.sharded else None,
-            keep=self.cfg.run.keep_checkpoints),
-            shard_dir / "checkpoints" / f"{ckpt_io.CHECKPOINT_PREFIX}{self.step:08d}",
-            "saving a checkpoint")
+            keep=self.cfg.run.keep_checkpoints) if self.rank == 0 else
+            root / "checkpoints" / name, "saving a checkpoint")
         self._last_saved_step, self.last_checkpoint = self.step, final
         return final
 
@@ -285,10 +317,6 @@ class Trainer:
             RuntimeError on the other ranks when rank 0 failed.
         """
         target = Path(self.cfg.run.out_dir) / EXPORT_DIR
-        # under EP rank 0 reads every rank's shard of the last checkpoint from disk, so
-        # all of them must have been written (the last step's collectives do not order
-        # a slower rank's save before rank 0's read)
-        dist_io.on_every_rank(self.group, self.rank, lambda: None, "saving the last checkpoint")
         done = dist_io.on_every_rank(
             self.group, self.rank, lambda: export_checkpoint(
                 self.last_checkpoint, target, overwrite=True) if self.rank == 0 else None,
@@ -319,23 +347,29 @@ class Trainer:
         nll_total = torch.zeros((), dtype=torch.float32, device=self.device)
         aux_total: Optional[Tensor] = None
         timing = self.moe_timer.armed() if self.moe_timer else contextlib.nullcontext()
+        dp = self.data_parallel
         with timing:
-            for batch in micro:
+            for i, batch in enumerate(micro):
                 batch = batch.to(self.device)
-                with autocast(self.device, self.autocast_dtype):
-                    logits, aux = lm_forward(self.model, batch, aux_loss=True)
-                nll, _ = causal_lm_nll(logits, batch.labels_BS)
-                loss = nll / denom
-                if aux is not None:
-                    loss = loss + self.aux_coef * aux / cfg.data.grad_accum
-                    aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
-                loss.backward()
+                # the gradient sync runs in the last micro-batch's backward (overlapped)
+                accumulate = dp.no_sync() if dp is not None and i < len(micro) - 1 \
+                    else contextlib.nullcontext()
+                with accumulate:
+                    with autocast(self.device, self.autocast_dtype):
+                        logits, aux = lm_forward(self.model, batch, aux_loss=True,
+                                                 wrapper=dp.module if dp is not None else None)
+                    nll, _ = causal_lm_nll(logits, batch.labels_BS)
+                    loss = nll / denom
+                    if aux is not None:
+                        loss = loss + self.aux_coef * aux / cfg.data.grad_accum
+                        aux_total = aux.detach() if aux_total is None else \
+                            aux_total + aux.detach()
+                    loss.backward()
                 nll_total += nll.detach()
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         if self.group is not None:
             # loss = mean of the ranks' losses: average dense grads, scale expert grads
-            grad_norm = reduce_and_clip_grads(self.model, max_norm, self.group,
-                                              self.ep_group, self.dp_group)
+            grad_norm = reduce_and_clip_grads(self.model, max_norm, dp, self.ep_group)
             nll_total, num_loss, stop = dist_io.reduce_step_totals(
                 self.group, nll_total, num_loss, self.stop_requested)
             if stop:
@@ -389,6 +423,9 @@ class Trainer:
             return self._run()
         finally:
             torch.set_num_threads(threads)
+            if getattr(self, "data_parallel", None) is not None:
+                self.data_parallel.close()
+                self.data_parallel = None
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
@@ -418,7 +455,7 @@ class Trainer:
             self.request_stop()
         try:
             if self._state is not None:
-                ckpt_io.set_rng_state(self._state["rng"])
+                ckpt_io.set_rng_state(self._rank_rng())
             else:
                 self._evaluate(None)
             progress = Progress(cfg.run.progress if self.rank == 0 else "none", steps,
@@ -470,7 +507,7 @@ class Trainer:
                 f"Continue with: {launch} --out {cfg.run.out_dir} --resume")
         return TrainResult(step=self.step, interrupted=interrupted, out_dir=self.out_dir,
                            checkpoint=self.last_checkpoint, summary=summary, model=self.model,
-                           export=exported)
+                           optimizer=self.optimizer, export=exported)
 
     def _summary(self, start_step: int, interrupted: bool) -> Dict[str, Any]:
         wall = time.perf_counter() - self._t_start

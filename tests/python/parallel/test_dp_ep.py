@@ -89,31 +89,23 @@ def _launch(root: Path, cfg: TrainConfig, dp: int, ep: int, *extra: str):
 
 
 def _weights(ckpt: Path) -> dict:
-    """A checkpoint's weights in the model's own (fused-expert) names: a rank's raw
-    ``model-ep-rank-e.safetensors``, or a transformers checkpoint loaded by transformers
-    (``save_pretrained`` writes one tensor per expert)."""
+    """A checkpoint's whole model in its own (fused-expert) names: an lrmoe checkpoint
+    read by torch's own DCP converter (``dcp_to_torch_save``, not lrmoe's loader), or an
+    export loaded by transformers (``save_pretrained`` writes one tensor per expert)."""
     if (ckpt / "model.safetensors").is_file():
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
         return {k: v.detach() for k, v in model.state_dict().items()}
-    from safetensors.torch import load_file
-    out = {}
-    for f in sorted(ckpt.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    whole = ckpt.parent / f".whole-{ckpt.name}.pt"
+    dcp_to_torch_save(ckpt / "state", whole)
+    state = torch.load(whole, weights_only=True)
+    whole.unlink()
+    return {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
 
 
-def _merged_shards(run: Path, step: int, ep: int) -> dict:
-    """The whole model of a D x N run at ``step``: dense weights from ep rank 0, each
-    expert tensor concatenated over the ep shards in rank order."""
-    name = f"step-{step:08d}"
-    shards = [_weights((run if e == 0 else run / f"ep-rank-{e}") / "checkpoints" / name)
-              for e in range(ep)]
-    merged = dict(shards[0])
-    for k in merged:
-        if ".experts." in k:
-            merged[k] = torch.cat([s[k] for s in shards])
-    return merged
+def _step(run: Path, step: int) -> Path:
+    return run / "checkpoints" / f"step-{step:08d}"
 
 
 def _assert_same_model(got: dict, want: dict, atol: float) -> None:
@@ -135,6 +127,7 @@ def run_2x2(tmp_path_factory):
 
 
 def test_dp2_ep2_equals_one_process_on_the_same_global_batch(run_2x2):
+    from test_expert_parallel import _chunks
     root, run = run_2x2
     ref = T.train(_cfg(root, "one", batch_size=4)).out_dir  # W * B sequences in one step
     got, want = (_train_records(r, "step", "loss", "grad_norm", "tokens", "loss_tokens")
@@ -145,58 +138,90 @@ def test_dp2_ep2_equals_one_process_on_the_same_global_batch(run_2x2):
         assert g[0] == w[0] and g[3:] == w[3:], (g, w)  # the same global batch
         assert g[1] == pytest.approx(w[1], rel=LOSS_RTOL) and \
             g[2] == pytest.approx(w[2], rel=LOSS_RTOL), (g, w)
-    _assert_same_model(_merged_shards(run, 4, 2),
-                       _weights(ref / "checkpoints" / "step-00000004"), WEIGHT_ATOL)
-    # each ep shard holds half the experts; its dp replica logs the same steps and
-    # writes no checkpoint
-    shard = _weights(run / "ep-rank-1" / "checkpoints" / "step-00000004")
-    assert shard["model.layers.0.mlp.experts.down_proj"].shape[0] == 2
+    _assert_same_model(_weights(_step(run, 4)), _weights(_step(ref, 4)), WEIGHT_ATOL)
+    # one checkpoint for the 4 ranks: each ep shard's expert rows stored once (not once
+    # per dp replica), a dense tensor once
+    ckpt = _step(run, 4)
+    assert _chunks(ckpt, "model.model.layers.0.mlp.experts.down_proj") == [0, 2]
+    assert _chunks(ckpt, "model.model.embed_tokens.weight") == [0]
+    assert _chunks(ckpt, "optim.model.layers.0.mlp.experts.down_proj.exp_avg") == [0, 2]
+    assert sorted(p.name for p in (ckpt / "ranks").glob("rank-*.pt")) == [
+        f"rank-{r}.pt" for r in range(4)]
+    # the dp replicas log the same steps as their shard and keep no checkpoint
     for replica, shard_dir in ((run / "dp-rank-1", run),
                                (run / "ep-rank-1" / "dp-rank-1", run / "ep-rank-1")):
         assert not (replica / "checkpoints").exists()
         assert _train_records(replica, "step", "loss", "grad_norm") == \
             _train_records(shard_dir, "step", "loss", "grad_norm")
-    state = torch.load(run / "ep-rank-1" / "checkpoints" / "step-00000004" /
-                       "trainer_state.pt", weights_only=True)
-    assert (state["dp_size"], state["ep_size"], state["ep_rank"]) == (2, 2, 1)
+    assert not (run / "ep-rank-1" / "checkpoints").exists()
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+    assert (state["dp_size"], state["ep_size"], state["format"]) == (2, 2, 2)
 
 
-def test_dp2_ep2_resume_is_exact_and_other_sizes_are_refused(run_2x2):
+def test_dp2_ep2_resume_continues_the_straight_run(run_2x2):
+    """Resumed at the same sizes: the straight run's steps, to float32 rounding (DDP
+    rebuilds its buckets after the first iteration, so at W = 4 the resumed run's first
+    step sums the gradients in another order: lrmoe/parallel/data_parallel.py)."""
     root, run = run_2x2
     resumed = root / "resumed"
-    r = _torchrun(["--resume", str(run / "checkpoints" / "step-00000002"), "--out",
-                   str(resumed)], root, nproc=4, timeout=240)
+    r = _torchrun(["--resume", str(_step(run, 2)), "--out", str(resumed)], root, nproc=4,
+                  timeout=240)
     assert r.returncode == 0, r.stderr[-4000:]
-    keys = ("step", "loss", "grad_norm", "lr", "tokens")
+    keys = ("step", "lr", "tokens")
     assert _train_records(resumed, *keys) == _train_records(run, *keys)
-    for e in range(2):
-        sub = Path(f"ep-rank-{e}") if e else Path()
-        _assert_same_model(_weights(resumed / sub / "checkpoints" / "step-00000004"),
-                           _weights(run / sub / "checkpoints" / "step-00000004"), 0)
-    # another D or N (here: one process, --dp 1 --ep 1): refused before anything is
-    # built, naming both fields
-    ckpt = run / "checkpoints" / "step-00000002"
-    cfg = T.read_checkpoint_config(ckpt).replace(dp_size=1, ep_size=1,
-                                                 out_dir=str(root / "other"))
-    with pytest.raises(ValueError, match=r"(?s)parallel\.ep_size: checkpoint 2, now 1.*"
-                                         r"parallel\.dp_size: checkpoint 2, now 1"):
-        T.train(cfg, resume=ckpt)
+    for g, w in zip(*(_train_records(d, "loss", "grad_norm") for d in (resumed, run))):
+        assert g == pytest.approx(w, rel=LOSS_RTOL)
+    _assert_same_model(_weights(_step(resumed, 4)), _weights(_step(run, 4)), WEIGHT_ATOL)
+
+
+@pytest.mark.parametrize("dp,ep,accum", [(1, 1, 4), (1, 4, 1)])
+def test_dp2_ep2_resumes_at_another_size(run_2x2, dp, ep, accum):
+    """The 2 x 2 checkpoint of step 2 re-sharded: resumed by one process (every expert,
+    4 micro-batches a step) or by 4 EP ranks (one expert each), steps 3-4 equal the
+    straight 2 x 2 run's up to the summation order, and so are the final weights."""
+    root, run = run_2x2
+    out = root / f"at-{dp}x{ep}"
+    cfg = T.read_checkpoint_config(_step(run, 2)).replace(
+        dp_size=dp, ep_size=ep, grad_accum=accum, out_dir=str(out))
+    if dp * ep == 1:
+        T.train(cfg, resume=_step(run, 2))
+    else:
+        _launch(root, cfg, dp, ep, "--resume", str(_step(run, 2)), "--out", str(out))
+    got, want = (_train_records(r, "step", "loss", "grad_norm", "tokens") for r in (out, run))
+    assert [g[0] for g in got] == [1, 2, 3, 4] and got[:2] == want[:2]  # the log so far
+    for g, w in zip(got[2:], want[2:]):
+        assert g[0] == w[0] and g[3] == w[3], (g, w)  # the same global batches
+        assert g[1] == pytest.approx(w[1], rel=LOSS_RTOL) and \
+            g[2] == pytest.approx(w[2], rel=LOSS_RTOL), (g, w)
+    _assert_same_model(_weights(_step(out, 4)), _weights(_step(run, 4)), WEIGHT_ATOL)
+
+
+def test_another_global_batch_is_refused_on_resume(run_2x2):
+    root, run = run_2x2
+    cfg = T.read_checkpoint_config(_step(run, 2)).replace(dp_size=1, ep_size=1,
+                                                          out_dir=str(root / "other"))
+    with pytest.raises(ValueError, match=r"global batch: checkpoint ep_size x dp_size x "
+                                         r"grad_accum = 2 x 2 x 1 = 4 micro-batches, now "
+                                         r"1 x 1 x 1 = 1; keep it with --set "
+                                         r"data.grad_accum=4"):
+        T.train(cfg, resume=_step(run, 2))
     assert not (root / "other").exists()
 
 
-def test_dp2_ep2_run_exports_its_gathered_shards(run_2x2):
-    """The run's own export (run.export: rank 0, once every writer has saved): transformers
-    loads the whole model, equal to the ep shards merged here; no other rank exports."""
+def test_dp2_ep2_run_exports_the_whole_model(run_2x2):
+    """The run's own export (run.export: rank 0, after the collective save): transformers
+    loads the whole model, equal to the checkpoint read by torch's DCP converter; no other
+    rank exports."""
     root, run = run_2x2
     export = run / "export"
     assert (export / "model.safetensors").is_file()
     assert (export / "tokenizer_config.json").is_file()
     assert not any((run / sub / "export").exists()
                    for sub in ("dp-rank-1", "ep-rank-1", "ep-rank-1/dp-rank-1"))
-    _assert_same_model(_weights(export), _merged_shards(run, 4, 2), 0)
+    _assert_same_model(_weights(export), _weights(_step(run, 4)), 0)
 
 
-def test_dp2_ep1_equals_one_process_with_ordinary_checkpoints(tmp_path):
+def test_dp2_ep1_equals_one_process(tmp_path):
     run = _launch(tmp_path, _cfg(tmp_path, "dp2", steps=3, save_every=0), 2, 1)
     ref = T.train(_cfg(tmp_path, "one", steps=3, save_every=0, batch_size=2)).out_dir
     got, want = (_train_records(r, "step", "loss", "grad_norm", "tokens") for r in (run, ref))
@@ -205,12 +230,8 @@ def test_dp2_ep1_equals_one_process_with_ordinary_checkpoints(tmp_path):
         assert g[0] == w[0] and g[3] == w[3]
         assert g[1] == pytest.approx(w[1], rel=LOSS_RTOL) and \
             g[2] == pytest.approx(w[2], rel=LOSS_RTOL), (g, w)
-    # EP size 1: dp rank 0 writes a plain transformers checkpoint holding every expert
-    ckpt = run / "checkpoints" / "step-00000003"
-    assert (ckpt / "model.safetensors").is_file()
     assert not (run / "ep-rank-1").exists() and not (run / "dp-rank-1" / "checkpoints").exists()
-    _assert_same_model(_weights(ckpt), _weights(ref / "checkpoints" / "step-00000003"),
-                       WEIGHT_ATOL)
+    _assert_same_model(_weights(_step(run, 3)), _weights(_step(ref, 3)), WEIGHT_ATOL)
 
 
 # ---------------------------------------------------------------- errors (no training)
@@ -232,7 +253,7 @@ def test_world_size_other_than_dp_times_ep_is_refused(monkeypatch):
 def _check_mesh(rank, world):
     from lrmoe.moe.config import LRMoEConfig
     from lrmoe.layer import LRMoELayer
-    from lrmoe.parallel import allreduce_non_expert_grads, clip_grad_norm_, is_expert_param
+    from lrmoe.parallel import DataParallel, clip_grad_norm_, is_expert_param
     from lrmoe.parallel.group import init_dp_ep_mesh
 
     # ranks started with another --dp fail on every rank, before any mesh is built
@@ -257,8 +278,10 @@ def _check_mesh(rank, world):
     w_out = torch.randn(14, 8, generator=gen, dtype=torch.float64).to(dev)
     sl = slice(rank * 14 // world, (rank + 1) * 14 // world)  # global rank order
     (ref(x) * w_out).sum().backward()
-    (layer(x[sl]) * w_out[sl]).sum().backward()
-    allreduce_non_expert_grads(layer, dist.group.WORLD, bucket_bytes=256, dp_group=g.dp)
+    # DDP over WORLD (tiny buckets: several), the experts summed over dp by their hooks
+    dp_sync = DataParallel(layer, dist.group.WORLD, g.dp, bucket_cap_mb=256 / 2**20)
+    (dp_sync.module(x[sl]) * w_out[sl]).sum().backward()
+    dp_sync.finish()
     el = cfg.num_experts // 2
     for (name, p), (_, q) in zip(layer.named_parameters(), ref.named_parameters()):
         # loss = mean of the W ranks' losses: every gradient is the full-batch one / W
@@ -275,21 +298,16 @@ def _check_mesh(rank, world):
     norm = clip_grad_norm_(layer, float("inf"), g.ep)
     assert float(norm) == pytest.approx(want_norm, rel=1e-6)
 
-    # checkpoint writes: dp rank 0 of each ep shard writes, the replicas get its path;
-    # a writer that fails stops every rank (no one waits in a later collective)
-    from lrmoe.training.distributed import write_once_per_dp_group
-    calls = []
-    got = write_once_per_dp_group(g, lambda: calls.append(rank) or "mine", "writer's", "x")
-    assert (got, len(calls)) == (("mine", 1) if g.dp_rank == 0 else ("writer's", 0))
-
-    def fail_on_ep1():
-        if g.ep_rank == 1:
-            raise OSError("disk full")
-        return "mine"
-    want = OSError if (g.dp_rank, g.ep_rank) == (0, 1) else RuntimeError
-    with pytest.raises(want, match="disk full" if want is OSError else
-                       f"a writer rank failed while saving.*rank {rank} stops too"):
-        write_once_per_dp_group(g, fail_on_ep1, "writer's", "saving")
+    # a micro-batch under no_sync is not reduced: the dp replicas' increments differ
+    # (each saw its own tokens), for DDP's parameters and for the expert shards
+    before = [p.grad.clone() for p in layer.parameters()]
+    with dp_sync.no_sync():
+        (dp_sync.module(x[sl]) * w_out[sl]).sum().backward()
+    for (name, p), b in zip(layer.named_parameters(), before):
+        step = p.grad - b
+        both = [torch.empty_like(step) for _ in range(2)]
+        dist.all_gather(both, step, group=g.dp)
+        assert not torch.equal(both[0], both[1]), name
 
 
 @pytest.mark.parametrize("backend,world", _backends([4], (4,)))

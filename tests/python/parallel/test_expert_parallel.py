@@ -431,9 +431,10 @@ def test_patched_transformers_model_fails_on_every_rank_at_once():
 
 
 # ------------------------------------------- data-parallel grads, global clip, checkpoints
-def _check_dp_helpers(rank, world):
-    from lrmoe.parallel import (allreduce_non_expert_grads, clip_grad_norm_,
-                                expert_state_dict, is_expert_param, load_expert_state_dict)
+def _check_dp_helpers(rank, world, path):
+    from lrmoe.parallel import DataParallel, clip_grad_norm_, is_expert_param
+    from lrmoe.parallel.group import init_dp_ep_mesh
+    from lrmoe.parallel.state import checkpoint_mesh, load_whole, save_sharded_state
     cfg = _cfg(num_experts=4, shared_expert_intermediate_size=5)
     ep, ref = _layers(cfg, seed=9)
     gen = torch.Generator().manual_seed(4)
@@ -442,8 +443,9 @@ def _check_dp_helpers(rank, world):
     sizes, starts = _split(13, world)
     sl = slice(starts[rank], starts[rank] + sizes[rank])
     (ref(x) * w_out).sum().backward()
-    (ep(x[sl]) * w_out[sl]).sum().backward()
-    allreduce_non_expert_grads(ep, bucket_bytes=256)  # several buckets
+    dp = DataParallel(ep, dist.group.WORLD, bucket_cap_mb=256 / 2**20)  # several buckets
+    (dp.module(x[sl]) * w_out[sl]).sum().backward()
+    dp.finish()
     el = cfg.num_experts // world
     for (name, p), (_, q) in zip(ep.named_parameters(), ref.named_parameters()):
         # loss = mean of the ranks' losses: every gradient is the full-batch one / W
@@ -456,19 +458,20 @@ def _check_dp_helpers(rank, world):
     assert abs(float(norm) - expect_sq ** 0.5) <= 1e-5 * expect_sq ** 0.5
     for b, p in zip(before, ep.parameters()):
         torch.testing.assert_close(p.grad, b * 0.5, rtol=1e-5, atol=1e-12)
-    # checkpoints: same EP size loads; another EP size fails with a clear message
-    ckpt = expert_state_dict(ep)
-    fresh, _ = _layers(cfg, seed=123)
-    load_expert_state_dict(fresh, ckpt)
-    torch.testing.assert_close(fresh.experts.down_proj, ep.experts.down_proj)
-    with pytest.raises(ValueError, match=f"expert-parallel size {2 * world} but this run has "
-                                         f"EP size {world}"):
-        load_expert_state_dict(fresh, {**ckpt, "ep_size": 2 * world})
+    # the sharded state, written by the W ranks, read back whole by one process (another
+    # EP size): the single-device layer's weights
+    save_sharded_state(path, ep, None, checkpoint_mesh(init_dp_ep_mesh(1, world)),
+                       dist.group.WORLD)
+    torch.manual_seed(123)
+    whole = LRMoELayer(cfg.replace(recalibration_rate=0.0)).double()
+    load_whole(path, whole.state_dict())
+    for k, v in ref.state_dict().items():
+        assert torch.equal(whole.state_dict()[k], v.cpu()), k
 
 
 @pytest.mark.parametrize("backend,world", _backends([2], (1, 2)))
-def test_data_parallel_grads_global_clip_and_checkpoint(backend, world):
-    _spawn(_check_dp_helpers, backend, world)
+def test_data_parallel_grads_global_clip_and_checkpoint(backend, world, tmp_path):
+    _spawn(_check_dp_helpers, backend, world, str(tmp_path / "state"))
 
 
 # ------------------------------------------------------------- lrmoe train --ep 2 (torchrun)
@@ -517,21 +520,27 @@ def test_lrmoe_train_ep2_resume_and_ep_size_check(tmp_path):
         return _train_records(run, "step", "loss", "grad_norm")
     a, b = losses(straight), losses(resumed)
     assert [s for s, _, _ in a] == [1, 2, 3, 4] and a == b, (a, b)
-    # rank 1 trained its own expert shard: half the experts in its checkpoint
-    from safetensors.torch import load_file
-    shard = load_file(str(straight / "ep-rank-1" / "checkpoints" / "step-00000004"
-                          / "model-ep-rank-1.safetensors"))
-    assert shard["model.layers.0.mlp.experts.down_proj"].shape[0] == 2
-    # a different EP size is refused with a message naming it
+    # each ep rank wrote its own expert rows, once: two chunks of E / 2 = 2 experts
+    assert _chunks(straight / "checkpoints" / "step-00000004",
+                   "model.model.layers.0.mlp.experts.down_proj") == [0, 2]
+    # another EP size resumes only with the same global batch (ep x dp x grad_accum):
+    # refused with the setting that keeps it
     r = _torchrun(["--out", str(resumed), "--resume", "--steps", "6", "--ep", "1"], tmp_path,
                   nproc=0)
-    assert r.returncode != 0 and "ep_size: checkpoint 2, now 1" in r.stderr, r.stderr[-2000:]
+    assert r.returncode != 0 and "global batch" in r.stderr and \
+        "--set data.grad_accum=2" in r.stderr, r.stderr[-2000:]
+
+
+def _chunks(ckpt, key):
+    """The first-dim offsets of the chunks DCP stored for ``key`` (each written once)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    meta = FileSystemReader(str(ckpt / "state")).read_metadata()
+    return sorted(int(c.offsets[0]) for c in meta.state_dict_metadata[key].chunks)
 
 
 def test_torchrun_ep1_runs_expert_parallel_with_ordinary_checkpoints(tmp_path):
-    """torchrun with one process runs the EP layer over a group of one; its checkpoint is
-    a plain transformers one (resumable without torchrun); a world size other than --ep
-    is refused."""
+    """torchrun with one process runs the EP layer over a group of one; its checkpoint
+    resumes without torchrun; a world size other than --ep is refused."""
     from test_train import micro
     from lrmoe.training import train as T
 
@@ -542,7 +551,8 @@ def test_torchrun_ep1_runs_expert_parallel_with_ordinary_checkpoints(tmp_path):
                   nproc=1)
     assert r.returncode == 0, r.stderr[-3000:]
     ckpt = straight / "checkpoints" / "step-00000002"
-    assert (ckpt / "model.safetensors").is_file() and not (straight / "ep-rank-1").exists()
+    assert _chunks(ckpt, "model.model.layers.0.mlp.experts.down_proj") == [0]
+    assert not (straight / "ep-rank-1").exists()
     r = _torchrun(["--resume", str(ckpt), "--out", str(resumed)], tmp_path, nproc=0)
     assert r.returncode == 0, r.stderr[-3000:]
 
@@ -596,8 +606,8 @@ def test_ctrl_c_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == EXIT_INTERRUPTED or "interrupted" in err, err[-3000:]
     steps0 = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
-    steps1 = sorted(p.name for p in (run / "ep-rank-1" / "checkpoints").glob("step-*"))
-    assert steps0 == steps1 and len(steps0) == 1, (steps0, steps1)
+    assert len(steps0) == 1 and all((run / "checkpoints" / steps0[0] / "ranks" / f).is_file()
+                                    for f in ("rank-0.pt", "rank-1.pt")), steps0
     r = _torchrun(["--resume", str(run / "checkpoints" / steps0[0]), "--steps",
                    str(int(steps0[0].split("-")[1]) + 2), "--out", str(tmp_path / "more")],
                   tmp_path)
@@ -650,8 +660,8 @@ def test_a_stopped_torchrun_job_leaves_a_checkpoint_that_resumes_bitwise(tmp_pat
             time.sleep(0.2)
         assert not Path(f"/proc/{pid}").exists(), f"worker {pid} still runs"
     steps0 = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
-    steps1 = sorted(p.name for p in (run / "ep-rank-1" / "checkpoints").glob("step-*"))
-    assert steps0 == steps1 and len(steps0) == 1, (steps0, steps1, err[-3000:])
+    assert len(steps0) == 1 and (run / "checkpoints" / steps0[0] / "ranks" /
+                                 "rank-1.pt").is_file(), (steps0, err[-3000:])
     n = int(steps0[0].split("-")[1]) + 2
     r = _torchrun(["--resume", str(run), "--steps", str(n)], tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -67,6 +67,11 @@ def micro(tmp_path: Path, name: str = "run", **changes) -> TrainConfig:
     return cfg.replace(**changes) if changes else cfg
 
 
+def res_moment(res, p):
+    """AdamW's first moment of parameter ``p`` in the finished run's optimizer."""
+    return res.optimizer.state[p]["exp_avg"]
+
+
 def without_timing(records):
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
 
@@ -268,21 +273,31 @@ def test_metrics_plot_summary_and_checkpoint_contents(tmp_path):
     assert [p.name for p in ckpts] == ["step-00000004", "step-00000006"]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [p.name for p in ckpts]
     last = ckpts[-1]
-    for name in ("model.safetensors", "config.json", "tokenizer.json", "train_config.json",
-                 "trainer_state.pt", "metrics.jsonl"):
+    for name in ("state/.metadata", "config.json", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json", "train_config.json", "trainer_state.pt",
+                 "metrics.jsonl", "ranks/rank-0.pt", "ranks/metrics-rank-0.jsonl"):
         assert (last / name).is_file(), name
     assert T.read_checkpoint_config(last) == cfg
     state = torch.load(last / "trainer_state.pt", weights_only=True)
-    assert state["step"] == 6 and state["lr_decay_steps"] == 6
+    assert state["step"] == 6 and state["lr_decay_steps"] == 6 and state["format"] == 2
     assert set(state["data_position"]) == {"epoch", "index"}
-    assert set(state["rng"]) >= {"python", "torch"}
+    assert set(torch.load(last / "ranks" / "rank-0.pt", weights_only=True)["rng"]) >= {
+        "python", "torch"}
     assert len(state["lrmoe_backward_steps"]) == cfg.model.num_hidden_layers
     assert all(v == 6 for v in state["lrmoe_backward_steps"].values())
-    assert load_file(str(last / "model.safetensors"))  # plain safetensors
-
-    # an unpatched transformers model loads it: same parameters, same logits
-    plain = Qwen3MoeForCausalLM.from_pretrained(last, dtype=torch.float32).eval()
+    # torch's own DCP converter reads the weights and the AdamW moments by name
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(last / "state", tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
     trained = res.model.eval()
+    for k, v in trained.state_dict().items():
+        assert torch.equal(whole["model." + k], v), k
+    for k, p in trained.named_parameters():
+        assert torch.equal(whole[f"optim.{k}.exp_avg"], res_moment(res, p)), k
+
+    # an unpatched transformers model loads the export: same parameters, same logits
+    assert load_file(str(out / "export" / "model.safetensors"))  # plain safetensors
+    plain = Qwen3MoeForCausalLM.from_pretrained(out / "export", dtype=torch.float32).eval()
     sd_plain, sd_trained = plain.state_dict(), trained.state_dict()
     assert set(sd_plain) == set(sd_trained)
     for k in sd_plain:
