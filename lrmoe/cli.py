@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
 EXIT_USAGE = 2
@@ -117,8 +118,8 @@ def _add_export_parser(sub: Any) -> None:
             "OUT as model.safetensors (sharded with model.safetensors.index.json above "
             "--max-shard-size), config.json, generation_config.json, tokenizer.json and "
             "tokenizer_config.json, which transformers' AutoModelForCausalLM and "
-            "AutoTokenizer load without lrmoe. An expert-parallel run's shards (ep-rank-e/) "
-            "are gathered into whole expert tensors (docs/training.md \"Export to "
+            "AutoTokenizer load without lrmoe. The checkpoint's sharded state (any EP / DP "
+            "size) is read whole in this process (docs/training.md \"Export to "
             "transformers\")."),
         formatter_class=_HelpFormatter)
     p.add_argument("run_dir", metavar="RUN_DIR",
@@ -208,6 +209,41 @@ def _add_bench_parser(sub: Any) -> None:
         return 0
 
     a2a.set_defaults(func=_cmd_bench_a2a)
+
+    step = benches.add_parser(
+        "step", help="the whole lrmoe train step at a preset: tok/s, MoE share, MFU",
+        description=(
+            "Short lrmoe train runs of one preset at each c and attention implementation, "
+            "in this process one after another: median step time, tokens/s, MoE-layer "
+            "time and share, model-FLOP utilisation, peak memory, and the ratio to c = 0 "
+            "(lrmoe/bench/step.py). --profile adds a torch.profiler table of the first "
+            "cell's device time by kernel kind."), formatter_class=_HelpFormatter)
+    step.add_argument("--preset", default="qwen3-slice", help="lrmoe train preset")
+    step.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.3, 0.5],
+                      help="recalibration rates c (0 first: the baseline)")
+    step.add_argument("--attention", nargs="+", default=["sdpa"],
+                      help="run.attention values: sdpa, flex_attention")
+    step.add_argument("--steps", type=int, default=12, help="steps per cell")
+    step.add_argument("--warmup", type=int, default=4, help="steps left out of the medians")
+    step.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                      help="lrmoe train setting for every cell (repeatable)")
+    step.add_argument("--profile", action="store_true", help="profile the first cell")
+    step.add_argument("--peak-tflops", type=float, default=None,
+                      help="the GPU's dense bf16 peak (default: the H200's 989)")
+    step.add_argument("--out", default="runs/bench-step", help="folder of the cells and "
+                      "step.json / step.md")
+
+    def _cmd_bench_step(args: argparse.Namespace) -> int:
+        from lrmoe.bench.step import H200_BF16_TFLOPS, bench_step
+
+        result = bench_step(args.preset, args.rates, args.attention, args.steps, args.warmup,
+                            args.sets, Path(args.out), profile=args.profile,
+                            peak_tflops=args.peak_tflops or H200_BF16_TFLOPS)
+        from lrmoe.bench.step import markdown
+        print(markdown(result), end="")
+        return 0
+
+    step.set_defaults(func=_cmd_bench_step)
 
 
 def _add_plan_parser(sub: Any) -> None:

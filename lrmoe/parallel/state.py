@@ -141,10 +141,29 @@ def optimizer_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> List
     return groups
 
 
-def _read_metadata(path: str) -> Dict[str, Any]:
+def read_metadata(path: str) -> Dict[str, Any]:
+    """The tensors' metadata of the DCP folder ``path``, after checking that every chunk
+    file it names is there.
+
+    Raises:
+        FileNotFoundError: no ``.metadata`` (not a DCP folder), or a chunk file missing
+            (naming it).
+    """
+    import os
+
     from torch.distributed.checkpoint import FileSystemReader
 
-    return FileSystemReader(path).read_metadata().state_dict_metadata
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise FileNotFoundError(f"{path}: no .metadata; not a torch.distributed.checkpoint "
+                                "folder (the checkpoint's state/)")
+    meta = FileSystemReader(path).read_metadata()
+    files = {info.relative_path for info in (meta.storage_data or {}).values()}
+    for name in sorted(files):
+        if not os.path.isfile(os.path.join(path, name)):
+            raise FileNotFoundError(
+                f"{os.path.join(path, name)} is missing: the checkpoint is incomplete (copied "
+                "in part, or a file was deleted); restore it or use another checkpoint")
+    return meta.state_dict_metadata
 
 
 def _check_model_keys(path: str, meta: Mapping[str, Any], target: Mapping[str, Tensor]) -> None:
@@ -167,7 +186,7 @@ def load_whole(path: str, tensors: Mapping[str, Tensor]) -> None:
     import torch.distributed.checkpoint as dcp
 
     target = {MODEL_PREFIX + k: v for k, v in tensors.items()}
-    _check_model_keys(path, _read_metadata(path), target)
+    _check_model_keys(path, read_metadata(path), target)
     with _one_process_quiet():
         dcp.load(target, checkpoint_id=path, no_dist=True)
 
@@ -192,7 +211,7 @@ def load_sharded_state(path: str, model: nn.Module, optimizer: Optional[torch.op
     """
     import torch.distributed.checkpoint as dcp
 
-    meta = _read_metadata(path)
+    meta = read_metadata(path)
     experts = _expert_names(model) if mesh is not None else {}
     target: Dict[str, Tensor] = {}
     live = model.state_dict()

@@ -80,14 +80,13 @@ def full_state(ckpt: Path, shapes: Dict[str, torch.Size]) -> Dict[str, Tensor]:
             meta-device skeleton's ``state_dict``).
 
     Raises:
+        FileNotFoundError: a chunk file of the state missing (naming it).
         ValueError: the stored tensors do not fit the model of ``config.json`` (naming
             them).
     """
-    from torch.distributed.checkpoint import FileSystemReader
+    from lrmoe.parallel.state import MODEL_PREFIX, load_whole, read_metadata
 
-    from lrmoe.parallel.state import MODEL_PREFIX, load_whole
-
-    meta = FileSystemReader(str(ckpt / ckpt_io.STATE_DIR)).read_metadata().state_dict_metadata
+    meta = read_metadata(str(ckpt / ckpt_io.STATE_DIR))
     stored = {k[len(MODEL_PREFIX):]: m for k, m in meta.items() if k.startswith(MODEL_PREFIX)}
     missing = sorted(set(shapes) - set(stored))
     unexpected = sorted(set(stored) - set(shapes))

@@ -14,6 +14,8 @@ from lrmoe.moe.config import SEED_LIMIT, BackwardConfig
 
 DTYPES = ("auto", "float32", "bfloat16")
 PROGRESS = ("auto", "bar", "lines", "none")
+#: transformers attention implementations ``run.attention`` takes
+ATTENTION = ("sdpa", "flex_attention")
 SECTIONS = ("model", "data", "optim", "lrmoe", "parallel", "run")
 
 
@@ -221,7 +223,9 @@ class ParallelConfig:
             layer keeps E / N experts per rank (:mod:`lrmoe.parallel`), the rest is data
             parallel, each rank builds and trains on its own batches (a step sees
             N * batch_size sequences); rank 0 writes the run files and rank r > 0 its own
-            (expert shards in its checkpoints) to ``out_dir/ep-rank-r``.
+            logs to ``out_dir/ep-rank-r``; checkpoints are written by all ranks together
+            into ``out_dir/checkpoints`` (:mod:`lrmoe.training.checkpoint`). May change on
+            resume with dp_size and data.grad_accum when their product stays.
         policy, memory_budget, resident_bytes, replica_slots: placement of expert
             instances under EP (``--policy fixed|ultraep|symi|lrmoe``, ``--memory-budget
             80GiB``: an int or a size text, ``--resident-bytes``: None measures
@@ -300,6 +304,14 @@ class RunConfig:
             parts) on every train record: the time of the MoE layers' forward and
             backward in the step, device events around each (``lrmoe.training.moe_timer``);
             the paper's time-to-loss metric.
+        attention: transformers' attention implementation: ``sdpa`` (torch's
+            ``scaled_dot_product_attention``; with isolated examples it gets the
+            block-diagonal mask as a dense boolean tensor) or ``flex_attention`` (torch's
+            flex attention with a block mask of the packed examples: only the blocks an
+            example covers are computed). The same math; may change on resume.
+        checkpoints: write checkpoints (every ``save_every`` steps, at the end, on
+            Ctrl-C) and the export; false for benchmarks that only measure (nothing to
+            resume, nothing exported).
         export: when the run reaches ``steps`` (not when it was stopped), ep rank 0
             writes ``out_dir/export/``: the last checkpoint as a plain transformers model +
             tokenizer, every EP shard gathered (``lrmoe export``,
@@ -322,6 +334,8 @@ class RunConfig:
     trace_every: int = 10
     tensorboard: bool = False
     time_moe: bool = False
+    attention: str = "sdpa"
+    checkpoints: bool = True
     export: bool = True
 
     def validate(self) -> None:
@@ -335,6 +349,7 @@ class RunConfig:
                              f"({type(self.seed).__name__})")
         _choice("run.dtype", self.dtype, DTYPES)
         _choice("run.progress", self.progress, PROGRESS)
+        _choice("run.attention", self.attention, ATTENTION)
         if not isinstance(self.device, str) or not (
                 self.device in ("auto", "cpu", "cuda") or
                 (self.device.startswith("cuda:") and self.device[5:].isdigit())):
@@ -346,6 +361,8 @@ class RunConfig:
             raise ValueError(f"run.tensorboard must be true or false, got {self.tensorboard!r}")
         if not isinstance(self.time_moe, bool):
             raise ValueError(f"run.time_moe must be true or false, got {self.time_moe!r}")
+        if not isinstance(self.checkpoints, bool):
+            raise ValueError(f"run.checkpoints must be true or false, got {self.checkpoints!r}")
         if not isinstance(self.export, bool):
             raise ValueError(f"run.export must be true or false, got {self.export!r}")
 

@@ -170,6 +170,8 @@ class Trainer:
         # its own rows), with the optimizer state
         self.model = setup.build_model(cfg, self.data, source,
                                        load_weights=self.resume_from is None)
+        if cfg.run.attention != "sdpa":
+            self.model.set_attn_implementation(cfg.run.attention)
         self.num_params = sum(p.numel() for p in self.model.parameters())
         patched = patch_moe_blocks(self.model, cfg.backward, ep_group=self.ep_group,
                                    policy=placement_from_config(cfg.parallel))
@@ -477,10 +479,11 @@ class Trainer:
                     self._evaluate(progress)
                 if self.step_callback is not None:
                     self.step_callback(self, self.step)
-                if cfg.run.save_every and self.step % cfg.run.save_every == 0:
+                if cfg.run.checkpoints and cfg.run.save_every and \
+                        self.step % cfg.run.save_every == 0:
                     self.save_checkpoint()
             interrupted = self.stop_requested and self.step < steps
-            if self._last_saved_step != self.step:
+            if cfg.run.checkpoints and self._last_saved_step != self.step:
                 self.save_checkpoint()
             if not interrupted and not (self._evals and self._evals[-1]["step"] == self.step):
                 self._evaluate(progress)  # after the checkpoint: a resume drops this line
@@ -497,7 +500,8 @@ class Trainer:
         (self.out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         if self.rank == 0:
             print_summary(summary)
-        exported = self.export() if cfg.run.export and not interrupted else None
+        exported = (self.export() if cfg.run.export and cfg.run.checkpoints and not interrupted
+                    else None)
         if interrupted:
             ep, dp = cfg.parallel.ep_size, cfg.parallel.dp_size
             flags = f"--ep {ep}" if dp == 1 else f"--dp {dp} --ep {ep}"

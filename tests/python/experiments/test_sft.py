@@ -260,7 +260,7 @@ def test_recipe_end_to_end_starts_every_fine_tune_from_the_base(tmp_path, wordne
     records = json.loads((out / "results.json").read_text())
     assert [r["name"] for r in records] == ["sft-c0-s0", "sft-lrm-topk-c0.3-s0"]
 
-    base = AutoModelForCausalLM.from_pretrained(base_ckpt, dtype=torch.float32)
+    base = _checkpoint_model(base_ckpt, tmp_path / "base-whole.pt")
     for r in records:
         run = out / r["name"]
         ckpt = run / "checkpoints" / "step-00000002"
@@ -293,6 +293,20 @@ def test_recipe_end_to_end_starts_every_fine_tune_from_the_base(tmp_path, wordne
     data_flag = argv.index("--sft-data")
     assert sft.main(argv[:data_flag] + argv[data_flag + 2:] + ["--analyse-only"]) == 0
     assert (out / "report.md").read_text().split("| setting")[1] == table
+
+
+def _checkpoint_model(ckpt, scratch):
+    """The transformers model of an lrmoe checkpoint, its weights read by torch's own DCP
+    converter (not lrmoe's loader)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoConfig, AutoModelForCausalLM
+    dcp_to_torch_save(ckpt / "state", scratch)
+    whole = torch.load(scratch, weights_only=True)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt),
+                                             dtype=torch.float32)
+    model.load_state_dict({k[len("model."):]: v for k, v in whole.items()
+                           if k.startswith("model.")})
+    return model.eval()
 
 
 def test_base_check_refuses_another_base_not_another_spelling(tmp_path):

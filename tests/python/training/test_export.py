@@ -198,8 +198,9 @@ def test_ep2_export_gathers_the_shards_with_the_ep_models_logits(runs):
     ep_run, ep, plain = runs["ep_run"], runs["ep"], runs["plain"]
     export = ep_run / "export"
     assert ep["export"] == str(export)
-    assert (ep_run / "ep-rank-1" / "checkpoints" / "step-00000002"
-            / "model-ep-rank-1.safetensors").is_file()
+    from test_expert_parallel import _chunks  # each ep rank's expert rows, stored once
+    assert _chunks(ep_run / "checkpoints" / "step-00000002",
+                   "model.model.layers.0.mlp.experts.down_proj") == [0, 2]
     assert all((export / f).is_file() for f in MODEL_FILES + ("model.safetensors",))
     g = plain[str(export)]
     assert g["class"] == QWEN3 and g["experts"] == 4  # E = 4 whole, from 2 shards of 2
@@ -246,26 +247,19 @@ def test_bad_inputs_are_refused_in_one_line(runs, tmp_path, capsys):
     refused(run, tmp_path / "o", "--max-shard-size", "lots", says=["--max-shard-size", "5GB"])
     refused(run / "checkpoints" / "step-00000002", run / "checkpoints" / "step-00000002",
             "--overwrite", says=["OUT", "holds the checkpoint"])
-    refused(run, run / "ep-rank-1", "--overwrite", says=["OUT", "holds the checkpoint"])
-    refused(run / "ep-rank-1" / "checkpoints" / "step-00000002", tmp_path / "o",
-            says=["RUN_DIR", "ep rank 1's checkpoint", str(run / "checkpoints" / "step-00000002")])
     assert not (tmp_path / "o").exists()
 
-    # a rank's shard missing: the file named, and how to get it
+    # a chunk file of the DCP state missing: the file named, and what to do
     lost = _copy(run, tmp_path / "lost")
-    shard = lost / "ep-rank-1" / "checkpoints" / "step-00000002" / "model-ep-rank-1.safetensors"
-    shard.unlink()
-    refused(lost, tmp_path / "o", says=[str(shard), "missing"])
-    shutil.rmtree(lost / "ep-rank-1")
-    refused(lost, tmp_path / "o", says=[str(shard), "copy the run's ep-rank-1/ folder"])
-    # the ranks' newest checkpoints differ: rank 1 lacks step 2 / holds step 1 under its name
-    skew = _copy(run, tmp_path / "skew")
-    r1 = skew / "ep-rank-1" / "checkpoints"
-    shutil.rmtree(r1 / "step-00000002")
-    refused(skew, tmp_path / "o", says=["step-00000001 but not step-00000002",
-                                        "checkpoints differ", "lrmoe export"])
-    shutil.copytree(r1 / "step-00000001", r1 / "step-00000002")
-    refused(skew, tmp_path / "o", says=["is step 1", "step 2", "checkpoints differ"])
+    state = lost / "checkpoints" / "step-00000002" / "state"
+    chunk = sorted(state.glob("*.distcp"))[-1]
+    chunk.unlink()
+    refused(lost, tmp_path / "o", says=[str(chunk), "missing", "incomplete"])
+    # a checkpoint of the per-rank format of earlier versions: named, not guessed at
+    old = _copy(run, tmp_path / "old")
+    shutil.rmtree(old / "checkpoints" / "step-00000002" / "state")
+    refused(old, tmp_path / "o", says=["neither a state/ folder nor model.safetensors",
+                                       "before checkpoint format 2"])
     assert not (tmp_path / "o").exists()
 
     # --overwrite replaces the folder's contents; the command writes what the run wrote

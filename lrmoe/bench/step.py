@@ -1,0 +1,193 @@
+"""``lrmoe bench step``: the whole training step of ``lrmoe train``, end to end.
+
+Each cell is a short ``lrmoe train`` run of one preset (same model, data and global batch)
+at one recalibration rate c and one attention implementation, in this process, one after
+another (nothing else on the GPU): no evaluation after step 0's (one batch), no
+checkpoint, ``run.time_moe`` on. Per cell, over the train records after ``--warmup``
+steps: the median step time and tokens per second (``metrics.jsonl``: host wall time of
+the step, which ends on the loss's host read), the median MoE-layer time (forward and
+backward, device events: :mod:`lrmoe.training.moe_timer`) and its share of the step, the
+model-FLOP utilisation and the peak CUDA memory. Ratios are against the first cell of the
+same attention at c = 0 in the same run. ``--profile`` adds, for the first cell, one
+``torch.profiler`` capture of two steps: device time per kernel category (:data:`KINDS`).
+
+Model FLOPs per token (:func:`flops_per_token`): ``6 N + 6 L S d_attn``. N = the matmul
+parameters a token passes through (per layer q, k, v, o projections, the router and
+its K experts' three matrices; the LM head), counted forward (2 per multiply-add) and
+backward (4); the attention term is causal attention over the whole block of S tokens
+(forward 2 * 2 * S/2 * d_attn per token and layer, x3 with the backward), d_attn =
+heads x head_dim: packed examples kept apart compute less, so the utilisation with
+``data.isolate_examples`` is a lower bound of the useful work's. Peak: the H200's dense
+bf16 tensor rate, 989 TFLOP/s (NVIDIA H200 datasheet; ``--peak-tflops`` for another GPU).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import re
+import statistics
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+#: dense bf16 tensor-core peak of one H200 SXM, TFLOP/s (NVIDIA H200 datasheet)
+H200_BF16_TFLOPS = 989.0
+#: kernel categories of the profile table: first matching pattern wins (lower-case names)
+KINDS = (
+    ("attention", r"fmha|flash|attention|attn|sdpa|flex|triton_tem_fused"),
+    ("optimizer", r"adam|multi_tensor|foreach|_amp_"),
+    ("matmul", r"gemm|cutlass|cublas|sm90|xmma|nvjet|grouped|matmul|wgmma"),
+    ("softmax / loss", r"softmax|cross_entropy|nll|logsumexp"),
+    ("copy / cast", r"copy|cast|memcpy|memset|convert|to_copy|fill"),
+    ("elementwise / other", r"."),
+)
+
+
+def flops_per_token(model: Any, vocab: int, seq_len: int) -> float:
+    """Model FLOPs per token of one training step (module docstring).
+
+    Args:
+        model: a :class:`lrmoe.training.sections.ModelConfig`. vocab: the LM head's rows
+            (``data.vocab_size``). seq_len: S, tokens per block.
+    """
+    m = model
+    h, q, kv = m.hidden_size, m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    attn = h * q + 2 * h * kv + q * h
+    moe = h * m.num_experts + m.num_experts_per_tok * 3 * h * m.moe_intermediate_size
+    n = m.num_hidden_layers * (attn + moe) + h * vocab
+    return 6.0 * n + 6.0 * m.num_hidden_layers * seq_len * q
+
+
+def _kind(name: str) -> str:
+    low = name.lower()
+    for kind, pattern in KINDS:
+        if re.search(pattern, low):
+            return kind
+    return KINDS[-1][0]
+
+
+def _records(run: Path, warmup: int) -> List[Dict[str, Any]]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["kind"] == "train" and r["step"] > warmup]
+
+
+def run_cell(cfg: Any, warmup: int, profile_steps: int = 0) -> Dict[str, Any]:
+    """Train ``cfg`` (a :class:`lrmoe.training.config.TrainConfig` with checkpoints off)
+    and summarise its steps after ``warmup``; with ``profile_steps`` > 0 also capture
+    that many steps after the warm-up with ``torch.profiler`` (device time per
+    :data:`KINDS` category, ms per step)."""
+    from lrmoe.training import train as T
+
+    prof = None
+    if profile_steps:
+        from torch.profiler import ProfilerActivity, profile
+
+        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+    def step_callback(trainer: Any, step: int) -> None:
+        if prof is not None and step == warmup:
+            prof.start()
+        if prof is not None and step == warmup + profile_steps:
+            torch.cuda.synchronize()
+            prof.stop()
+
+    result = T.train(cfg, overwrite=True, step_callback=step_callback if prof else None)
+    recs = _records(result.out_dir, warmup)
+    if not recs:
+        raise ValueError(f"--steps must exceed --warmup ({warmup}): no step left to measure")
+    out = {"tokens_per_step": recs[0]["tokens"],
+           "step_ms": statistics.median(r["time_s"] for r in recs) * 1e3,
+           "tokens_per_s": statistics.median(r["tokens_per_s"] for r in recs),
+           "peak_gib": result.summary.get("peak_cuda_memory_gib"), "steps": len(recs)}
+    for key in ("moe_time_ms", "moe_forward_ms", "moe_backward_ms"):
+        vals = [r[key] for r in recs if r.get(key) is not None]
+        out[key] = statistics.median(vals) if vals else None
+    if prof is not None:
+        kinds: Dict[str, float] = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                k = _kind(e.name)
+                kinds[k] = kinds.get(k, 0.0) + e.device_time / 1e3 / profile_steps
+        out["profile_ms"] = dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
+    del result
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def bench_step(preset: str, rates: Sequence[float], attentions: Sequence[str], steps: int,
+               warmup: int, sets: Sequence[str], out_dir: Path, profile: bool = False,
+               peak_tflops: float = H200_BF16_TFLOPS) -> Dict[str, Any]:
+    """Every (attention, c) cell of :func:`run_cell`, results with ratios to c = 0.
+
+    Args:
+        preset: ``lrmoe train`` preset (e.g. ``qwen3-slice``). rates: c values (the first
+            should be 0, the baseline of its attention). attentions: ``run.attention``
+            values. steps, warmup: steps per cell and how many to leave out.
+        sets: extra ``--set key=value`` items for every cell. out_dir: the cells' run
+            folders and ``step.json`` / ``step.md``. profile: capture the first cell.
+        peak_tflops: the device's dense bf16 peak, for the utilisation.
+
+    Raises:
+        ValueError: ``steps <= warmup``, a bad preset or setting (from the trainer).
+    """
+    from lrmoe.training import train as T
+
+    if steps <= warmup:
+        raise ValueError(f"--steps ({steps}) must exceed --warmup ({warmup})")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cells = []
+    for attention in attentions:
+        for c in rates:
+            name = f"{attention}-c{c:g}"
+            cfg = T.build_config(preset, sets=[
+                *sets, f"run.steps={steps}", "run.eval_every=0", "run.eval_batches=1",
+                "run.checkpoints=false", "run.time_moe=true", "run.progress=none",
+                f"run.attention={attention}", f"lrmoe.recalibration_rate={c}",
+                f"run.out_dir={out_dir / name}"])
+            fpt = flops_per_token(cfg.model, cfg.data.vocab_size, cfg.data.seq_len)
+            first = profile and not cells
+            cell = {"name": name, "attention": attention, "rate": c,
+                    **run_cell(cfg, warmup, profile_steps=2 if first else 0)}
+            cell["mfu"] = cell["tokens_per_s"] * fpt / (peak_tflops * 1e12)
+            cell["moe_share"] = (cell["moe_time_ms"] / cell["step_ms"]
+                                 if cell.get("moe_time_ms") else None)
+            cells.append(cell)
+            (out_dir / "step.json").write_text(json.dumps(cells, indent=2) + "\n")
+    for cell in cells:
+        base = next((b for b in cells if b["attention"] == cell["attention"]
+                     and b["rate"] == 0), None)
+        cell["speedup_vs_c0"] = cell["tokens_per_s"] / base["tokens_per_s"] if base else None
+    result = {"preset": preset, "steps": steps, "warmup": warmup, "sets": list(sets),
+              "peak_tflops": peak_tflops, "flops_per_token": fpt, "cells": cells}
+    (out_dir / "step.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out_dir / "step.md").write_text(markdown(result))
+    return result
+
+
+def markdown(result: Dict[str, Any]) -> str:
+    """The cells as a markdown table (and the profile of the first cell)."""
+    lines = [f"preset {result['preset']}, {result['steps']} steps (first {result['warmup']} "
+             f"left out), model FLOPs {result['flops_per_token'] / 1e9:.2f} GFLOP/token, "
+             f"peak {result['peak_tflops']:g} TFLOP/s", "",
+             "| cell | tok/s | step ms | MoE ms (fwd + bwd) | MoE share | MFU | peak GiB | x c=0 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in result["cells"]:
+        moe = (f"{c['moe_time_ms']:.1f} ({c['moe_forward_ms']:.1f} + {c['moe_backward_ms']:.1f})"
+               if c.get("moe_time_ms") else "-")
+        share = f"{100 * c['moe_share']:.0f} %" if c.get("moe_share") else "-"
+        peak = f"{c['peak_gib']:.1f}" if c.get("peak_gib") else "-"
+        ratio = f"{c['speedup_vs_c0']:.3f}" if c.get("speedup_vs_c0") else "-"
+        lines.append(f"| {c['name']} | {c['tokens_per_s']:,.0f} | {c['step_ms']:.1f} | {moe} "
+                     f"| {share} | {100 * c['mfu']:.1f} % | {peak} | {ratio} |")
+    prof = next((c for c in result["cells"] if "profile_ms" in c), None)
+    if prof is not None:
+        total = sum(prof["profile_ms"].values())
+        lines += ["", f"Device time per step by kernel kind ({prof['name']}, torch.profiler, "
+                      f"2 steps; busy {total:.1f} ms of a {prof['step_ms']:.1f} ms step):", "",
+                  "| kind | ms | share of busy |", "|---|---|---|"]
+        lines += [f"| {k} | {v:.1f} | {100 * v / total:.0f} % |"
+                  for k, v in prof["profile_ms"].items()]
+    return "\n".join(lines) + "\n"
