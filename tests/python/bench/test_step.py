@@ -1,0 +1,48 @@
+"""``lrmoe bench step`` (lrmoe/bench/step.py): the FLOP count against a hand count, and a
+CPU run of two cells whose table holds what the runs logged."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_train import micro  # noqa: E402
+
+from lrmoe.bench.step import bench_step, flops_per_token  # noqa: E402
+
+
+def test_flops_per_token_matches_a_hand_count(tmp_path):
+    m = micro(tmp_path).model  # H 32, 2 layers, 2 q / 1 kv heads of 16, E 4, K 2, I 16
+    # per layer: q, o 32x32 each, k, v 32x16 each = 3,072; router 32x4 + 2 experts x 3 x
+    # 32 x 16 = 3,200; LM head 32 x 512 = 16,384; N = 2 x 6,272 + 16,384 = 28,928;
+    # 6 N = 173,568; attention 6 x 2 layers x 128 x 32 = 49,152
+    assert flops_per_token(m, 512, 128) == 222_720
+
+
+def test_two_cells_on_the_cpu(tmp_path):
+    base = micro(tmp_path)
+    data = base.data.source
+    sets = [f"data.source={data}", "data.vocab_size=512", "data.seq_len=128",
+            "data.batch_size=4", f"data.cache_dir={tmp_path / 'cache'}", "run.device=cpu",
+            "run.torch_threads=1", "model.hidden_size=32", "model.num_hidden_layers=2",
+            "model.num_attention_heads=2", "model.num_key_value_heads=1", "model.head_dim=16",
+            "model.intermediate_size=64", "model.moe_intermediate_size=16",
+            "model.num_experts=4", "model.num_experts_per_tok=2",
+            "model.max_position_embeddings=128"]
+    out = tmp_path / "bench"
+    result = bench_step("tiny", [0.0, 0.5], ["sdpa"], steps=3, warmup=1, sets=sets,
+                        out_dir=out)
+    cells = result["cells"]
+    assert [c["name"] for c in cells] == ["sdpa-c0", "sdpa-c0.5"]
+    for c in cells:
+        rows = [json.loads(x) for x in (out / c["name"] / "metrics.jsonl").read_text()
+                .splitlines()]
+        train = [r for r in rows if r["kind"] == "train" and r["step"] > 1]
+        assert c["steps"] == 2 and c["tokens_per_step"] == train[0]["tokens"]
+        assert min(r["time_s"] for r in train) * 1e3 <= c["step_ms"] <= \
+            max(r["time_s"] for r in train) * 1e3
+        assert not (out / c["name"] / "checkpoints").exists()  # run.checkpoints=false
+    assert cells[0]["speedup_vs_c0"] == 1.0
+    assert (out / "step.md").read_text().count("| sdpa-c") == 2
+    with pytest.raises(ValueError, match="must exceed --warmup"):
+        bench_step("tiny", [0.0], ["sdpa"], steps=2, warmup=2, sets=sets, out_dir=out)
