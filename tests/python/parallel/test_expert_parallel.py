@@ -529,6 +529,14 @@ def test_lrmoe_train_ep2_resume_and_ep_size_check(tmp_path):
                   nproc=0)
     assert r.returncode != 0 and "global batch" in r.stderr and \
         "--set data.grad_accum=2" in r.stderr, r.stderr[-2000:]
+    # with it, one process resumes the EP = 2 checkpoint: every expert read back whole
+    # (test_dp_ep.py compares such a resume with the straight run on equal-token data)
+    one = tmp_path / "one"
+    r = _torchrun(["--resume", str(straight / "checkpoints" / "step-00000002"), "--out",
+                   str(one), "--ep", "1", "--set", "data.grad_accum=2"], tmp_path, nproc=0)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = losses(one)
+    assert [s for s, _, _ in got] == [1, 2, 3, 4] and got[:2] == a[:2]
 
 
 def _chunks(ckpt, key):
