@@ -65,7 +65,8 @@ def analyse(records, out, args) -> str:
                title=f"{args.preset}: adaptive rate (cap c = {args.cap:g}, {args.metric})")
     return ("## Adaptive rate\n\n" + analysis.markdown_table(
         rows, ["selection", "target", "dropped", "dropped_sd", "ppl", "ppl_sd", "dppl_pct",
-               "dppl_pct_sd", "seeds"]) + "\n\n![adaptive rate](adaptive_dppl.png)")
+               "dppl_pct_sd", "dppl_pct_lo", "dppl_pct_hi", "seeds"])
+        + "\n\n![adaptive rate](adaptive_dppl.png)")
 
 
 def add_arguments(p) -> None:

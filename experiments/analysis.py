@@ -13,6 +13,9 @@ Definitions (docs/journal/experiments.md states them with the results):
   and backward of the MoE layers only, when the run logged it).
 * mean and spread over seeds: the sample mean and the sample standard deviation
   (``statistics.stdev``; 0 for one seed).
+* the 95 % interval of a paired difference (a setting's dPPL against the c = 0 run of the
+  same seed; the runs share their validation split, ``data.split_seed``): the Student t
+  interval ``mean +- t_{0.975, n-1} sd / sqrt(n)`` over the n seeds (none for one seed).
 """
 from __future__ import annotations
 
@@ -79,6 +82,63 @@ def mean_spread(values: Iterable[float]) -> Tuple[float, float, int]:
     return statistics.fmean(v), (statistics.stdev(v) if len(v) > 1 else 0.0), len(v)
 
 
+def t_critical(confidence: float, df: int) -> float:
+    """The two-sided Student t critical value: ``t`` with ``P(|T| <= t) = confidence`` for
+    ``df`` degrees of freedom.
+
+    ``P(|T| <= t)`` is the closed form for integer ``df`` (Abramowitz & Stegun, Handbook of
+    Mathematical Functions, 26.7.3 for odd and 26.7.4 for even ``df``; theta =
+    atan(t / sqrt(df))), inverted by bisection to 1e-12.
+
+    Raises:
+        ValueError: ``confidence`` outside (0, 1) or ``df < 1``.
+    """
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    if isinstance(df, bool) or not isinstance(df, int) or df < 1:
+        raise ValueError(f"df must be an int >= 1, got {df!r}")
+
+    def inside(t: float) -> float:  # P(|T| <= t)
+        th = math.atan(t / math.sqrt(df))
+        c2 = math.cos(th) ** 2
+        if df % 2 == 1:
+            term, acc = math.cos(th), 0.0
+            for k in range(1, (df - 1) // 2 + 1):  # cos th (1 + 2/3 c2 + 2*4/(3*5) c2^2 ...)
+                acc += term
+                term *= c2 * (2 * k) / (2 * k + 1)
+            return 2.0 / math.pi * (th + math.sin(th) * acc)
+        term, acc = 1.0, 0.0
+        for k in range(1, df // 2 + 1):  # 1 + 1/2 c2 + 1*3/(2*4) c2^2 ...
+            acc += term
+            term *= c2 * (2 * k - 1) / (2 * k)
+        return math.sin(th) * acc
+
+    lo, hi = 0.0, 1.0
+    while inside(hi) < confidence:
+        hi *= 2.0
+    while hi - lo > 1e-12 * max(1.0, hi):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if inside(mid) < confidence else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def mean_interval(values: Iterable[float], confidence: float = 0.95
+                  ) -> Tuple[float, float, float, int]:
+    """(mean, low, high, n) of the finite values: the Student t interval
+    ``mean +- t_critical(confidence, n - 1) * sd / sqrt(n)``; low and high are NaN for
+    fewer than two values, everything NaN (n = 0) for none.
+
+    Raises:
+        ValueError: ``confidence`` outside (0, 1).
+    """
+    m, sd, n = mean_spread(values)
+    if n < 2:
+        t_critical(confidence, 1)  # the argument check
+        return m, math.nan, math.nan, n
+    half = t_critical(confidence, n - 1) * sd / math.sqrt(n)
+    return m, m - half, m + half, n
+
+
 def group(records: Sequence[Mapping[str, Any]], keys: Sequence[str]
           ) -> Dict[Tuple, List[Mapping[str, Any]]]:
     """Records grouped by the values of ``labels[k]`` for ``k`` in ``keys`` (insertion
@@ -98,9 +158,11 @@ def dppl_table(records: Sequence[Mapping[str, Any]], keys: Sequence[str],
 
     Returns:
         One row per setting (``keys`` values): ``{**setting, "ppl", "ppl_sd",
-        "dppl_pct", "dppl_pct_sd", "dppl_abs", "dppl_abs_sd", "seeds"}`` (``seeds``: the
-        runs with a finite dPPL against their seed's baseline, the n of the mean), plus
-        one row for the baseline itself (dPPL 0 by definition).
+        "dppl_pct", "dppl_pct_sd", "dppl_pct_lo", "dppl_pct_hi", "dppl_abs",
+        "dppl_abs_sd", "seeds"}`` (``seeds``: the runs with a finite dPPL against their
+        seed's baseline, the n of the mean; ``dppl_pct_lo`` / ``_hi``: the 95 % t interval
+        of the paired differences, :func:`mean_interval`, NaN for one seed), plus one row
+        for the baseline itself (dPPL 0 by definition).
     """
     base = {r["labels"].get("seed"): r for r in records if is_baseline(r)}
     rows = []
@@ -115,9 +177,11 @@ def dppl_table(records: Sequence[Mapping[str, Any]], keys: Sequence[str],
                 ab.append(d[1])
         m, sd, _ = mean_spread(ppl)
         mr, sr, n = mean_spread(rel)  # seeds: the pairs the dPPL mean is over
+        _, lo, hi, _ = mean_interval(rel)
         ma, sa, _ = mean_spread(ab)
         rows.append({**dict(zip(keys, setting)), "ppl": m, "ppl_sd": sd, "dppl_pct": mr,
-                     "dppl_pct_sd": sr, "dppl_abs": ma, "dppl_abs_sd": sa, "seeds": n})
+                     "dppl_pct_sd": sr, "dppl_pct_lo": lo, "dppl_pct_hi": hi,
+                     "dppl_abs": ma, "dppl_abs_sd": sa, "seeds": n})
     return rows
 
 

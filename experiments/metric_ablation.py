@@ -40,8 +40,8 @@ def analyse(records, out, args) -> str:
                "dppl_pct_sd", out / "metric_dppl.png", ylabel="dPPL vs c = 0 (%)",
                title=f"{args.preset}: dPPL per metric ({args.selection})")
     return ("## Metric ablation\n\n" + analysis.markdown_table(
-        rows, ["metric", "rate", "ppl", "ppl_sd", "dppl_pct", "dppl_pct_sd", "dppl_abs",
-               "seeds"]) + "\n\n![dPPL per metric](metric_dppl.png)")
+        rows, ["metric", "rate", "ppl", "ppl_sd", "dppl_pct", "dppl_pct_sd", "dppl_pct_lo",
+               "dppl_pct_hi", "dppl_abs", "seeds"]) + "\n\n![dPPL per metric](metric_dppl.png)")
 
 
 if __name__ == "__main__":

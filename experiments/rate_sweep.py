@@ -37,7 +37,8 @@ def analyse(records, out, args) -> str:
                  title=f"{args.preset}: validation perplexity per rate "
                        f"({args.metric}, {args.selection})")
     return ("## Rate sweep\n\n" + analysis.markdown_table(
-        rows, ["rate", "ppl", "ppl_sd", "dppl_pct", "dppl_pct_sd", "dppl_abs", "seeds"])
+        rows, ["rate", "ppl", "ppl_sd", "dppl_pct", "dppl_pct_sd", "dppl_pct_lo",
+               "dppl_pct_hi", "dppl_abs", "seeds"])
         + "\n\n![rate curves](rate_curves.png)")
 
 

@@ -46,7 +46,8 @@ def analyse(records, out, args) -> str:
                title=f"{args.preset}: dPPL per selection and quota rule ({args.metric})")
     return ("## Selection and quota rule\n\n" + analysis.markdown_table(
         rows, ["selection", "quota_rule", "rate", "ppl", "ppl_sd", "dppl_pct",
-               "dppl_pct_sd", "seeds"]) + "\n\n![dPPL per selection](selection_dppl.png)")
+               "dppl_pct_sd", "dppl_pct_lo", "dppl_pct_hi", "seeds"])
+        + "\n\n![dPPL per selection](selection_dppl.png)")
 
 
 if __name__ == "__main__":

@@ -250,7 +250,7 @@ def analyse(records, out: Path, args) -> str:
             f"{args.sft_steps} steps, lr {args.sft_lr:g}.\n\n"
             + analysis.markdown_table(baseline + rows, [
                 "setting", "rate", "dropped", "ppl", "ppl_sd", "dppl_pct", "dppl_pct_sd",
-                "dppl_abs", "seeds"]) + "\n\n![dPPL per setting](sft_dppl.png)\n\n" + "\n".join(figures))
+                "dppl_pct_lo", "dppl_pct_hi", "dppl_abs", "seeds"]) + "\n\n![dPPL per setting](sft_dppl.png)\n\n" + "\n".join(figures))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

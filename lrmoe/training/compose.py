@@ -191,6 +191,15 @@ def read_config_json(path: str | os.PathLike) -> TrainConfig:
     if any(k not in SECTIONS for k in data) or isinstance(data.get("data"), str):
         log(f"note: {path} holds the flat settings of an earlier version; read as nested "
             "sections")
+    section = data.get("data")
+    if "split_seed" not in data and not (isinstance(section, dict) and "split_seed" in section):
+        # written before data.split_seed existed: its split was salted by run.seed, and a
+        # resume must read the same split (the default of 0 would move it for seed != 0)
+        data = dict(data)
+        if isinstance(section, dict):
+            data["data"] = {**section, "split_seed": None}
+        else:
+            data["split_seed"] = None
     return TrainConfig.from_dict(data)
 
 

@@ -76,7 +76,8 @@ def load_run_data(cfg: TrainConfig, tokenizer: Optional[str]) -> LMData:
     d = cfg.data
     return load_data(d.source, seq_len=d.seq_len, cache_dir=cache_dir(cfg), tokenizer=tokenizer,
                      vocab_size=d.vocab_size, val_fraction=d.val_fraction,
-                     max_records=d.max_records, seed=cfg.run.seed)
+                     max_records=d.max_records,
+                     seed=cfg.run.seed if d.split_seed is None else d.split_seed)
 
 
 def report_run_data(cfg: TrainConfig, data: LMData, seconds: float) -> None:

@@ -431,3 +431,41 @@ def test_dppl_table_counts_the_pairs_its_mean_is_over():
     rows = analysis.dppl_table(recs, ["rate"], lambda r: r["labels"]["rate"] == 0, 1)
     row = next(r for r in rows if r["rate"] == 0.3)
     assert row["seeds"] == 1 and row["dppl_pct"] == pytest.approx(10.0)
+
+
+def test_t_critical_against_closed_forms_and_the_normal_limit():
+    from statistics import NormalDist
+    for p in (0.5, 0.9, 0.95, 0.99):
+        # df = 1 (Cauchy): P(|T| <= t) = 2 atan(t) / pi; df = 2: t / sqrt(2 + t^2)
+        assert analysis.t_critical(p, 1) == pytest.approx(math.tan(math.pi * p / 2), rel=1e-9)
+        assert analysis.t_critical(p, 2) == pytest.approx(p * math.sqrt(2 / (1 - p * p)),
+                                                          rel=1e-9)
+        assert analysis.t_critical(p, 100_001) == pytest.approx(
+            NormalDist().inv_cdf(0.5 + p / 2), rel=1e-4)
+    # the tables' 95 % values, 4 digits (df 3, 4, 5, 10, 30)
+    for df, t in ((3, 3.182), (4, 2.776), (5, 2.571), (10, 2.228), (30, 2.042)):
+        assert analysis.t_critical(0.95, df) == pytest.approx(t, abs=6e-4)
+    with pytest.raises(ValueError, match="confidence"):
+        analysis.t_critical(1.0, 3)
+    with pytest.raises(ValueError, match="df"):
+        analysis.t_critical(0.95, 0)
+
+
+def test_mean_interval_by_hand():
+    m, lo, hi, n = analysis.mean_interval([1.0, 2.0, 3.0, float("nan")])
+    half = 4.302652729749 * 1.0 / math.sqrt(3)  # t_{0.975, 2} * sd / sqrt(n), sd = 1
+    assert (m, n) == (2.0, 3) and lo == pytest.approx(2 - half) and hi == pytest.approx(2 + half)
+    m, lo, hi, n = analysis.mean_interval([5.0])
+    assert m == 5.0 and n == 1 and math.isnan(lo) and math.isnan(hi)
+
+
+def test_dppl_table_reports_the_paired_t_interval():
+    recs = [_rec(0, [10.0], labels={"rate": 0.0}), _rec(1, [20.0], labels={"rate": 0.0}),
+            _rec(0, [11.0], labels={"rate": 0.3}), _rec(1, [23.0], labels={"rate": 0.3})]
+    row = next(r for r in analysis.dppl_table(recs, ["rate"],
+                                              lambda r: r["labels"]["rate"] == 0, 1)
+               if r["rate"] == 0.3)
+    # pairs +10 % and +15 %: mean 12.5, sd 5 / sqrt(2), n 2, t_{0.975, 1} = tan(0.475 pi)
+    half = math.tan(0.475 * math.pi) * (5 / math.sqrt(2)) / math.sqrt(2)
+    assert row["dppl_pct_lo"] == pytest.approx(12.5 - half)
+    assert row["dppl_pct_hi"] == pytest.approx(12.5 + half)

@@ -746,3 +746,37 @@ def test_flat_train_config_of_an_earlier_version_resumes(tmp_path):
     (ckpt / "train_config.json").write_text(json.dumps(flat))
     assert T.read_checkpoint_config(ckpt) == cfg
     assert T.train(cfg.replace(steps=3), resume=ckpt).step == 3
+
+
+def _val_texts(cfg: TrainConfig) -> list:
+    from lrmoe.training.setup import load_run_data
+    data = load_run_data(cfg, None)
+    return [data.tokenizer.decode(row.tolist()) for row in data.val.input_ids]
+
+
+def test_the_validation_split_stays_fixed_across_run_seeds(tmp_path):
+    """data.split_seed (default 0) salts the split, not run.seed: seeds 0 and 1 hold out
+    the same text, so their differences are paired; split_seed=None follows run.seed
+    (the behaviour before the field) and moves it."""
+    cfg = micro(tmp_path)
+    assert cfg.data.split_seed == 0
+    fixed = [_val_texts(cfg.replace(seed=s)) for s in (0, 1)]
+    assert fixed[0] == fixed[1] and fixed[0]
+    moving = [_val_texts(cfg.replace(seed=s, split_seed=None)) for s in (0, 1)]
+    assert moving[0] == fixed[0]  # None at seed 0 is the same salt as split_seed 0
+    assert moving[1] != moving[0]
+    with pytest.raises(ValueError, match="data.split_seed"):
+        cfg.replace(split_seed=-1)
+
+
+def test_a_checkpoint_without_split_seed_resumes_on_its_own_split(tmp_path):
+    """A train_config.json written before data.split_seed existed reads as split_seed =
+    None (its split was salted by run.seed), not the new default 0."""
+    cfg = micro(tmp_path, steps=2, eval_every=0, seed=1)
+    T.train(cfg)
+    ckpt = T.find_checkpoint(None, cfg.run.out_dir)
+    saved = json.loads((ckpt / "train_config.json").read_text())
+    del saved["data"]["split_seed"]
+    (ckpt / "train_config.json").write_text(json.dumps(saved))
+    old = T.read_checkpoint_config(ckpt)
+    assert old.data.split_seed is None and old == cfg.replace(split_seed=None)
