@@ -152,6 +152,34 @@ def test_equals_torchtitan_bf16_experts(kind):
     assert rel(run(moe32, x, g)[0], got[0]) > 1e-4
 
 
+def test_whole_qwen3_model_forward_equals_torchtitan(monkeypatch):
+    # the whole decoder (torchtitan's flex attention has no CPU backward: forward only)
+    model = qwen3_model()
+    ref = copy.deepcopy(model)
+    monkeypatch.setattr(type(ref.layers["0"].moe.routed_experts.inner_experts), "forward",
+                        fp32_grouped_experts)
+    swap_moe(model, LRMoETitanConfig(expert_dtype="input"))
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16).repeat(2, 1)
+    with torch.no_grad():
+        want = ref(tokens, positions, ref.get_attention_masks(positions))
+        got = model(tokens, positions, model.get_attention_masks(positions))
+    assert rel(got, want) < FP32_TOL
+
+
+def test_compiled_moe_equals_eager():
+    _, eager, holder = pair("qwen3")
+    _, _, compiled = pair("qwen3")
+    swap_moe(holder, LRMoETitanConfig(recalibration_rate=0.3))
+    swap_moe(compiled, LRMoETitanConfig(recalibration_rate=0.3))
+    compiled.moe.compile(backend="aot_eager")  # in place: parameter names unchanged
+    x, g = inputs()
+    want, got = run(eager, x, g), run(compiled.moe, x, g)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for name in want[2]:
+        assert torch.equal(got[2][name], want[2][name]), name
+
+
 def test_state_dict_and_parameters_unchanged():
     model = qwen3_model()
     before = model.state_dict()
