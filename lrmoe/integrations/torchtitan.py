@@ -225,17 +225,6 @@ def _swapped_class(routed_cls: type) -> type:
     return _SWAPPED_CLASS
 
 
-def _layer_config(name: str, moe: nn.Module, backward: BackwardConfig) -> LRMoEConfig:
-    """The LRMoEConfig of one torchtitan MoE (shapes from its weights)."""
-    w1_EFD = moe.routed_experts.inner_experts.w1_EFD
-    num_experts, inter, hidden = (int(s) for s in w1_EFD.shape)
-    router = moe.router
-    return LRMoEConfig(hidden_size=hidden, moe_intermediate_size=inter,
-                       num_experts=num_experts, top_k=int(router.top_k),
-                       router=router.score_func, norm_topk_prob=bool(router.route_norm),
-                       routed_scaling_factor=float(router.route_scale), backward=backward)
-
-
 def swap_moe(model: nn.Module, config: Optional[LRMoETitanConfig] = None
              ) -> nn.Module:
     """Run the routed experts of every torchtitan ``MoE`` of ``model`` through LRMoE.
@@ -286,15 +275,32 @@ def swap_moe(model: nn.Module, config: Optional[LRMoETitanConfig] = None
                 "plain RoutedExperts + GroupedExperts (SwiGLU, unquantised)")
     swapped = _swapped_class(moe_mod.RoutedExperts)
     for index, (name, moe) in enumerate(found):
-        routed = moe.routed_experts
-        lrmoe_config = _layer_config(name, moe, config.backward_config(index))
-        routed.__class__ = swapped
-        routed.lrmoe_config = lrmoe_config
-        routed.lrmoe_core = MoECore(lrmoe_config, routed.inner_experts,
-                                    where=f"torchtitan MoE {name!r}")
-        routed.lrmoe_expert_dtype = config.expert_dtype
-        routed.lrmoe_layer_index = index
+        moe.routed_experts.__class__ = swapped
+        attach(moe.routed_experts, moe.router, config, index, f"torchtitan MoE {name!r}")
     return model
+
+
+def attach(routed: nn.Module, router: Any, config: LRMoETitanConfig, index: int,
+           where: str) -> None:
+    """Give a (swapped) ``RoutedExperts`` its lrmoe state: the attributes listed on
+    :class:`LRMoERoutedExperts`. ``router``: the MoE's ``TokenChoiceTopKRouter`` or its
+    config (``top_k``, ``score_func``, ``route_norm``, ``route_scale`` are read).
+
+    Raises:
+        ValueError: an invalid setting of ``config`` (naming the field).
+    """
+    w1_EFD = routed.inner_experts.w1_EFD
+    num_experts, inter, hidden = (int(s) for s in w1_EFD.shape)
+    lrmoe_config = LRMoEConfig(
+        hidden_size=hidden, moe_intermediate_size=inter, num_experts=num_experts,
+        top_k=int(router.top_k), router=router.score_func,
+        norm_topk_prob=bool(router.route_norm),
+        routed_scaling_factor=float(router.route_scale),
+        backward=config.backward_config(index))
+    routed.lrmoe_config = lrmoe_config
+    routed.lrmoe_core = MoECore(lrmoe_config, routed.inner_experts, where=where)
+    routed.lrmoe_expert_dtype = config.expert_dtype
+    routed.lrmoe_layer_index = index
 
 
 def swapped_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
