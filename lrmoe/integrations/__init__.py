@@ -7,7 +7,8 @@
 * :mod:`lrmoe.integrations.torchtitan` -- run the routed experts of torchtitan's MoE
   models (Qwen3 MoE, DeepSeek-V3; torchtitan 0.3.0) through LRMoE on torchtitan's own
   weights: ``LRMoETitanConfig``, ``swap_moe``, ``set_recalibration``,
-  ``collect_diagnostics``.
+  ``collect_diagnostics``; :mod:`lrmoe.integrations.torchtitan_override` does it from
+  torchtitan's config (``--override.imports``).
 
 Nothing is imported here eagerly, so ``import lrmoe`` never needs transformers or torchtitan.
 """

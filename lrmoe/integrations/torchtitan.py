@@ -31,6 +31,9 @@ EP mesh of more than one rank, and ``GroupedExperts`` subclasses (e.g. the MXFP8
 converter's, which replace its grouped GEMM). FSDP2 alone is fine: it hands the forward
 whole, plain tensors.
 
+The same from torchtitan's config, before the model is built: the override
+:func:`lrmoe.integrations.torchtitan_override.lrmoe_moe` (``--override.imports``).
+
 torchtitan is imported only when :func:`swap_moe` runs. Install it (no training
 dependencies) with ``pip install --no-deps -r requirements/torchtitan.txt`` beside torch.
 """

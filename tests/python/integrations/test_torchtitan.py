@@ -31,8 +31,8 @@ BF16_TOL = 3e-2  # relative to the largest entry; as lrmoe/bench/method.py BF16_
 FP32_TOL = 1e-5
 
 
-def qwen3_model(seed: int = 0) -> torch.nn.Module:
-    """A 2-layer Qwen3 MoE from torchtitan's own layer builder, initialised by it."""
+def qwen3_config():
+    """The config of a 2-layer Qwen3 MoE from torchtitan's own layer builder."""
     from torchtitan.models import qwen3
     from torchtitan.models.common import CosSinRoPE
     cfg = qwen3.qwen3_configs["debugmodel_moe"](attn_backend="flex")
@@ -44,6 +44,12 @@ def qwen3_model(seed: int = 0) -> torch.nn.Module:
     cfg.tok_embeddings.num_embeddings, cfg.tok_embeddings.embedding_dim = 64, DIM
     cfg.lm_head.in_features, cfg.lm_head.out_features = DIM, 64
     cfg.norm = qwen3._qwen3_norm(DIM)
+    return cfg
+
+
+def qwen3_model(seed: int = 0, cfg=None) -> torch.nn.Module:
+    """The model of ``cfg`` (default :func:`qwen3_config`), initialised by torchtitan."""
+    cfg = qwen3_config() if cfg is None else cfg
     torch.manual_seed(seed)
     model = cfg.build()
     model.init_states()
@@ -216,6 +222,33 @@ def test_positive_rate_changes_only_the_backward():
     assert stats["num_retained"] == stats["num_pairs"] // 2
     assert set_recalibration(holder, recalibration_rate=0.0) == 1
     assert torch.equal(run(moe, x, g)[2][w2], want[2][w2])
+
+
+def test_override_builds_lrmoe_experts_through_torchtitan_config(monkeypatch):
+    # torchtitan's own override mechanism (--override.imports) on the model config tree
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+    from lrmoe.integrations import torchtitan_override
+    monkeypatch.setattr(torchtitan_override, "_LAYER_COUNT", iter(range(100)))
+    cfg = qwen3_config()
+    target = "lrmoe.integrations.torchtitan_override.lrmoe_moe"
+    apply_overrides(OverrideConfig(imports=[(target, {"expert_dtype": "input"})]), cfg)
+    model = qwen3_model(0, cfg)
+    ref = qwen3_model(0)  # the same seed: the same initial weights
+    assert list(model.state_dict()) == list(ref.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 ref.state_dict().values()))
+    layers = swapped_layers(model)
+    assert [type(m).__name__ for _, m in layers] == ["LRMoETitanRoutedExperts"] * 2
+    assert [m.lrmoe_config.backward.seed for _, m in layers] == [0, 1 << 32]
+    monkeypatch.setattr(type(ref.layers["0"].moe.routed_experts.inner_experts), "forward",
+                        fp32_grouped_experts)
+    x, g = inputs()
+    want, got = run(ref.layers["1"].moe, x, g), run(model.layers["1"].moe, x, g)
+    assert rel(got[0], want[0]) < FP32_TOL
+    for name in want[2]:
+        assert rel(got[2][name], want[2][name]) < FP32_TOL, name
+    with pytest.raises(TypeError):
+        torchtitan_override.lrmoe_moe(qwen3_config().layers[0].moe, top_k=3)
 
 
 def test_bad_settings_and_models():
