@@ -283,3 +283,36 @@ def test_equals_torchtitan_on_gpu(kind):
     assert rel(got[1], want[1]) < BF16_TOL
     for name in want[2]:
         assert rel(got[2][name], want[2][name]) < BF16_TOL, name
+
+
+def _fsdp2_check(rank, world, out):
+    # each rank: the same swapped MoE under fully_shard, half the batch; FSDP2 averages
+    # the gradients over the ranks, so twice that is the full-batch gradient
+    import json
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    ref, moe, holder = pair("qwen3")
+    type(ref.routed_experts.inner_experts).forward = fp32_grouped_experts  # own process
+    swap_moe(holder, LRMoETitanConfig(expert_dtype="input"))
+    fully_shard(holder.moe, mesh=init_device_mesh("cpu", (world,)))
+    x, g = inputs()
+    half = slice(rank, rank + 1)  # batch 2: one sequence per rank
+    got = run(holder.moe, x[half], g[half])
+    want = run(ref, x, g)
+    errs = {n: rel(2 * got[2][n].full_tensor(), want[2][n]) for n in want[2]}
+    errs["out"] = rel(got[0], want[0][half])
+    sharded = type(holder.moe.routed_experts.inner_experts.w1_EFD).__name__
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"errs": errs, "sharded": sharded}, f)
+
+
+def test_fsdp2_two_ranks_equal_torchtitan(tmp_path):
+    import json
+    from test_expert_parallel import _spawn  # tests/python/parallel
+    out = tmp_path / "fsdp2.json"
+    _spawn(_fsdp2_check, "gloo", 2, str(out), timeout_s=300)
+    result = json.loads(out.read_text())
+    assert result["sharded"] == "DTensor"  # the parameters are sharded between steps
+    assert len(result["errs"]) >= 5
+    assert all(e < FP32_TOL for e in result["errs"].values()), result
