@@ -206,6 +206,24 @@ def test_state_dict_and_parameters_unchanged():
     copy.deepcopy(model)  # the swapped class survives a copy
 
 
+def test_dcp_checkpoint_of_torchtitan_loads_into_swapped_model(tmp_path):
+    # torch.distributed.checkpoint (what torchtitan's checkpointer writes), one process
+    import torch.distributed.checkpoint as dcp
+    source = qwen3_model(seed=0)
+    dcp.save(source.state_dict(), checkpoint_id=str(tmp_path / "step-0"))
+    model = swap_moe(qwen3_model(seed=1), LRMoETitanConfig(recalibration_rate=0.2))
+    state = model.state_dict()
+    assert not all(torch.equal(state[k], v) for k, v in source.state_dict().items())
+    dcp.load(state, checkpoint_id=str(tmp_path / "step-0"))
+    model.load_state_dict(state)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in source.state_dict().items())
+    dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "step-1"))
+    back = qwen3_model(seed=2)
+    back_state = back.state_dict()
+    dcp.load(back_state, checkpoint_id=str(tmp_path / "step-1"))
+    assert all(torch.equal(back_state[k], v) for k, v in source.state_dict().items())
+
+
 def test_positive_rate_changes_only_the_backward():
     ref, moe, holder = pair("qwen3")
     swap_moe(holder, LRMoETitanConfig(recalibration_rate=0.5, selection="topk"))
