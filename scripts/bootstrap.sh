@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up a development environment in the repo root, idempotently:
-#   1. .venv (created if missing) with the pinned packages of requirements/test.txt;
+#   1. .venv (created if missing) with the pinned packages of requirements/test.txt (and
+#      requirements/torchtitan.txt, --no-deps);
 #   2. the compiled extension lrmoe._C built in place (incrementally, with ninja);
 #   3. a .pth file so that `import lrmoe` works from the venv anywhere, and the `lrmoe`
 #      console script in the venv's bin/.
@@ -97,7 +98,8 @@ SITE="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 # ---- packages --------------------------------------------------------------------------
 # Fast path: the requirements, mode and interpreter are those installed last time.
 STAMP="$VENV/.lrmoe-deps.sha256"
-want="$( { echo "$MODE"; "$VPY" -VV; cat requirements/base.txt requirements/test.txt; } | sha256sum | cut -d' ' -f1)"
+want="$( { echo "$MODE"; "$VPY" -VV; cat requirements/base.txt requirements/test.txt \
+          requirements/torchtitan.txt requirements/torchtitan-triton.txt; } | sha256sum | cut -d' ' -f1)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
   log "packages up to date ($MODE)"
 else
@@ -133,6 +135,22 @@ PY
           > "$LOGDIR/pip.log" 2>&1 \
         || { tail -40 "$LOGDIR/pip.log" >&2; die "pip install failed (log: $LOGDIR/pip.log)"; }
     fi
+  fi
+  # torchtitan (lrmoe.integrations.torchtitan, the bench baseline): --no-deps, because its
+  # declared requirements are its trainer's (requirements/torchtitan.txt); a CPU torch has
+  # no triton, which torchtitan imports, so that one comes from torchtitan-triton.txt. The
+  # GPU image (system mode) has no package index: tools/device/device_torchtitan.sh
+  # installs carried wheels there instead.
+  if [[ "$MODE" == pinned ]]; then
+    log "installing torchtitan (requirements/torchtitan.txt, --no-deps)"
+    titan=(-r requirements/torchtitan.txt)
+    "$VPY" -c 'import triton' >/dev/null 2>&1 || titan+=(-r requirements/torchtitan-triton.txt)
+    "$VPY" -m pip install --disable-pip-version-check --no-input --no-deps "${titan[@]}" \
+        > "$LOGDIR/pip-torchtitan.log" 2>&1 \
+      || { tail -40 "$LOGDIR/pip-torchtitan.log" >&2
+           die "pip install of torchtitan failed (log: $LOGDIR/pip-torchtitan.log)"; }
+  elif ! "$VPY" -c 'import torchtitan' >/dev/null 2>&1; then
+    log "torchtitan not installed (system mode): its tests are skipped; see requirements/torchtitan.txt"
   fi
   echo "$want" > "$STAMP"
   log "packages installed in $(( $(now) - t )) s"
