@@ -77,10 +77,20 @@ void bind_sim(py::module_ m) {
       .field("ep_bwd", &PerRowCosts::ep_bwd, "EP layer's own ms per retained row (W > 1)")
       .done();
 
+  Struct<sim::Roofline>(m, "Roofline", "The expert GEMMs' floor (sim/roofline.h; off at peak 0).")
+      .field("peak_TFLOPs", &sim::Roofline::peak_TFLOPs, "dense bf16 TFLOP/s (0: no roofline)")
+      .field("hbm_GBps", &sim::Roofline::hbm_GBps, "device memory GB/s")
+      .field("launch_us", &sim::Roofline::launch_us, "us per grouped-GEMM pass of one rank")
+      .field("hidden", &sim::Roofline::hidden, "H of one expert")
+      .field("inter", &sim::Roofline::inter, "I of one expert")
+      .field("elem_bytes", &sim::Roofline::elem_bytes, "bytes per element (bf16: 2)")
+      .done();
+
   Struct<CostModel>(m, "CostModel", "The calibrated cost model (lrmoe calibrate).")
       .field("gemm", &CostModel::gemm, "list of GemmPoint, any order, at least one")
       .field("per_row", &CostModel::per_row, "PerRowCosts")
       .field("h2d_GBps", &CostModel::h2d_GBps, "host <-> device GB/s (0: offload not timed)")
+      .field("roofline", &CostModel::roofline, "Roofline")
       .done();
 
   Struct<LinkModel>(m, "LinkModel", "All-to-all links per GPU (configs/links/*.yaml).")
