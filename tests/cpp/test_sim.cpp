@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "planner/plan.h"
+#include "sim/a2a.h"
+#include "sim/cluster.h"
 #include "sim/sim.h"
 
 namespace {
@@ -478,4 +480,93 @@ TEST(Roofline, NoLayerAtEp64To128BelowTheFloor) {
     }
   }
   EXPECT_GE(timed, 4);
+}
+
+TEST(Cluster, EveryGroupOnItsOwnLoadsTheSlowestDecides) {
+  // 2 steps x 3 groups x 2 layers of the toy cluster, each (step, group, layer) with its
+  // own loads; each group's layer simulated alone here (simulate_layer, symi given the
+  // same group's same layer one step earlier by hand), the max taken by hand
+  const planner::PlanInput base = toy_input();
+  const sim::SimConfig cfg = toy_config();
+  const int64_t S = 2, Gr = 3, Lyr = 2;
+  std::vector<int64_t> loads;
+  for (int64_t j = 0; j < S * Gr * Lyr; ++j)
+    for (int64_t v : {30 + 7 * j, 10 + 3 * (j % 4), 20 + 5 * (j % 3), 40 - 2 * j}) loads.push_back(v);
+  for (const char* policy : {"fixed", "symi"}) {
+    const auto out = sim::simulate_cluster(policy, base, loads, S, Gr, Lyr, cfg, 2);
+    ASSERT_EQ(out.size(), static_cast<size_t>(S * Lyr));
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t l = 0; l < Lyr; ++l) {
+        double worst = -1, sum = 0;
+        int32_t at = -1;
+        for (int64_t g = 0; g < Gr; ++g) {
+          planner::PlanInput in = base;
+          const size_t cell = static_cast<size_t>(((s * Gr + g) * Lyr + l) * 4);
+          in.load_WE.assign(loads.begin() + cell, loads.begin() + cell + 4);
+          if (std::string(policy) == "symi" && s > 0) {
+            const size_t p = static_cast<size_t>((((s - 1) * Gr + g) * Lyr + l) * 4);
+            in.previous_load_E = {loads[p] + loads[p + 2], loads[p + 1] + loads[p + 3]};
+          }
+          const sim::LayerResult r = sim::simulate_layer(policy, in, cfg);
+          ASSERT_TRUE(r.feasible);
+          sum += r.fwd_ms + r.bwd_ms;
+          if (r.fwd_ms + r.bwd_ms > worst) { worst = r.fwd_ms + r.bwd_ms; at = static_cast<int32_t>(g); }
+        }
+        const sim::ClusterLayer& c = out[static_cast<size_t>(s * Lyr + l)];
+        EXPECT_TRUE(c.feasible);
+        EXPECT_DOUBLE_EQ(c.time_ms, worst);
+        EXPECT_EQ(c.slowest_group, at);
+        EXPECT_NEAR(c.mean_group_ms, sum / Gr, 1e-12);
+      }
+  }
+  EXPECT_THROW(sim::simulate_cluster("fixed", base, loads, S, 0, Lyr, cfg, 1), std::invalid_argument);
+  EXPECT_THROW(sim::simulate_cluster("fixed", base, loads, S, 2, Lyr, cfg, 1), std::invalid_argument);
+}
+
+TEST(A2A, TokenLevelDispatchDedupsPerRankAndNode) {
+  // W 4 in nodes of 2 (node 0: ranks 0, 1; node 1: ranks 2, 3), K 2, three tokens of
+  // source 0: t0 -> ranks {2, 3} (one remote node), t1 -> {1, 1} (one rank twice),
+  // t2 -> {0, 3}. By hand: t0 crosses the network once, 0 -> 2 (the proxy with local
+  // index 0 on node 1), and 2 forwards it to 3; t1 one NVLink row 0 -> 1; t2 a self row
+  // and a network row 0 -> 2, forwarded 2 -> 3. Without dedup: 3 network rows (t0 twice).
+  // One token of source 3: {3, -1}: a self row.
+  const sim::TokenDispatch d = sim::token_dispatch({0, 0, 0, 3}, {2, 3, 1, 1, 0, 3, 3, -1}, 2, 4, 2);
+  EXPECT_EQ(d.self_W, (std::vector<int64_t>{1, 0, 0, 1}));
+  EXPECT_EQ(d.inter_out_W, (std::vector<int64_t>{2, 0, 0, 0}));
+  EXPECT_EQ(d.inter_in_W, (std::vector<int64_t>{0, 0, 2, 0}));
+  EXPECT_EQ(d.intra_out_W, (std::vector<int64_t>{1, 0, 2, 0}));
+  EXPECT_EQ(d.intra_in_W, (std::vector<int64_t>{0, 1, 0, 2}));
+  EXPECT_EQ(d.inter_peers_W, (std::vector<int64_t>{1, 0, 0, 0}));
+  EXPECT_EQ(d.intra_peers_W, (std::vector<int64_t>{1, 0, 1, 0}));
+  EXPECT_EQ(d.pair_inter_rows, 3);
+  // time, 1000 B rows, network 1 GB/s 5 us, NVLink 2 GB/s 1 us, no self cost:
+  // network phase: rank 0 sends 2 rows (and rank 2 receives 2): 2000 B / 1e6 B/ms +
+  // 0.005 = 0.007; NVLink phase: rank 2 forwards 2 rows, rank 3 receives 2: 2000 / 2e6 +
+  // 0.001 = 0.002; in sequence 0.009, over 4 chunks 0.007 + 0.002 / 4
+  sim::LinkModel link;
+  link.gpus_per_node = 2;
+  link.intra_GBps = 2.0;
+  link.intra_latency_us = 1.0;
+  link.inter_GBps = 1.0;
+  link.inter_latency_us = 5.0;
+  EXPECT_NEAR(sim::hierarchical_a2a_ms(d, 1000.0, link, 0.0, 1), 0.009, 1e-15);
+  EXPECT_NEAR(sim::hierarchical_a2a_ms(d, 1000.0, link, 0.0, 4), 0.0075, 1e-15);
+  // 2 us per peer: ranks 0 and 2 each have one peer per phase: 0.009 + 0.004
+  EXPECT_NEAR(sim::hierarchical_a2a_ms(d, 1000.0, link, 2.0, 1), 0.013, 1e-15);
+  EXPECT_THROW(sim::token_dispatch({0}, {1}, 2, 4, 2), std::invalid_argument);
+  EXPECT_THROW(sim::token_dispatch({0, 0}, {4, 0, 1, 1}, 2, 4, 2), std::invalid_argument);
+  EXPECT_THROW(sim::hierarchical_a2a_ms(d, 1000.0, link, 0.0, 0), std::invalid_argument);
+}
+
+TEST(A2A, EightNodeFanOutCrossesOncePerNode) {
+  // EP16 in nodes of 8: one token of rank 0 to experts on ranks 8..15 (K 8, all on node
+  // 1) crosses once (to rank 8, which forwards to 9..15: 7 NVLink rows); per pair it
+  // would be 8 network rows -- the 4x-8x excess of issue 30
+  std::vector<int32_t> dest;
+  for (int32_t r = 8; r < 16; ++r) dest.push_back(r);
+  const sim::TokenDispatch d = sim::token_dispatch({0}, dest, 8, 16, 8);
+  EXPECT_EQ(d.inter_out_W[0], 1);
+  EXPECT_EQ(d.inter_in_W[8], 1);
+  EXPECT_EQ(d.intra_out_W[8], 7);
+  EXPECT_EQ(d.pair_inter_rows, 8);
 }
