@@ -14,6 +14,7 @@
 
 #include "python/bindings.h"
 #include "python/fields.h"
+#include "sim/cluster.h"
 #include "sim/sim.h"
 
 namespace lrmoe {
@@ -77,10 +78,20 @@ void bind_sim(py::module_ m) {
       .field("ep_bwd", &PerRowCosts::ep_bwd, "EP layer's own ms per retained row (W > 1)")
       .done();
 
+  Struct<sim::Roofline>(m, "Roofline", "The expert GEMMs' floor (sim/roofline.h; off at peak 0).")
+      .field("peak_TFLOPs", &sim::Roofline::peak_TFLOPs, "dense bf16 TFLOP/s (0: no roofline)")
+      .field("hbm_GBps", &sim::Roofline::hbm_GBps, "device memory GB/s")
+      .field("launch_us", &sim::Roofline::launch_us, "us per grouped-GEMM pass of one rank")
+      .field("hidden", &sim::Roofline::hidden, "H of one expert")
+      .field("inter", &sim::Roofline::inter, "I of one expert")
+      .field("elem_bytes", &sim::Roofline::elem_bytes, "bytes per element (bf16: 2)")
+      .done();
+
   Struct<CostModel>(m, "CostModel", "The calibrated cost model (lrmoe calibrate).")
       .field("gemm", &CostModel::gemm, "list of GemmPoint, any order, at least one")
       .field("per_row", &CostModel::per_row, "PerRowCosts")
       .field("h2d_GBps", &CostModel::h2d_GBps, "host <-> device GB/s (0: offload not timed)")
+      .field("roofline", &CostModel::roofline, "Roofline")
       .done();
 
   Struct<LinkModel>(m, "LinkModel", "All-to-all links per GPU (configs/links/*.yaml).")
@@ -189,6 +200,48 @@ void bind_sim(py::module_ m) {
       "ints for input's W, E (input.load_WE is not read); previous_LWE: (Lyr, W, E), the "
       "step before (symi's popularity for the first step). Raises ValueError naming the "
       "bad argument or field.");
+
+  Struct<sim::ClusterLayer>(m, "ClusterLayer", "One (step, layer) of a cluster (sim/cluster.h).")
+      .field("feasible", &sim::ClusterLayer::feasible, "every group's plan fits")
+      .field("time_ms", &sim::ClusterLayer::time_ms, "slowest group's fwd + bwd (NaN: infeasible)")
+      .field("slowest_group", &sim::ClusterLayer::slowest_group, "its group (-1: none)")
+      .field("mean_group_ms", &sim::ClusterLayer::mean_group_ms, "mean over feasible groups")
+      .done();
+
+  m.def(
+      "simulate_cluster",
+      [](const std::string& policy, const planner::PlanInput& input, py::handle loads_SGLWE,
+         const SimConfig& config, int32_t threads, py::handle previous_GLWE) {
+        check_slots(input);
+        std::vector<int64_t> lead, prev_lead;
+        const std::vector<int64_t> loads = cluster_loads(
+            loads_SGLWE, "loads_SGLWE", "(steps, groups, layers, ", 3, input, &lead);
+        std::vector<int64_t> prev;
+        if (!previous_GLWE.is_none()) {
+          prev = cluster_loads(previous_GLWE, "previous_GLWE", "(groups, layers, ", 2, input,
+                               &prev_lead);
+          if (prev_lead[0] != lead[1] || prev_lead[1] != lead[2])
+            throw py::value_error("previous_GLWE must hold the groups x layers of loads_SGLWE");
+        }
+        const planner::PlanInput base = input;
+        const SimConfig cfg = config;
+        std::vector<sim::ClusterLayer> out;
+        {
+          py::gil_scoped_release nogil;
+          out = sim::simulate_cluster(policy, base, loads, lead[0], lead[1], lead[2], cfg,
+                                      threads, prev.empty() ? nullptr : &prev);
+        }
+        py::list results;
+        for (auto& r : out) results.append(py::cast(std::move(r)));
+        return results;
+      },
+      py::arg("policy"), py::arg("input"), py::arg("loads_SGLWE"), py::arg("config"),
+      py::arg("threads") = 1, py::arg("previous_GLWE") = py::none(),
+      "simulate_cluster(policy, input, loads_SGLWE, config, threads=1, previous_GLWE=None) "
+      "-> list of S x Lyr ClusterLayer in (step, layer) order: every group of the cluster "
+      "on its own loads, the slowest deciding.\n\nloads_SGLWE: (S, Gr, Lyr, W, E) ints for "
+      "input's W, E; previous_GLWE: (Gr, Lyr, W, E), the step before. Raises ValueError "
+      "naming the bad argument or field.");
 
   m.def(
       "simulate_pressure",

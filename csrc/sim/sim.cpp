@@ -28,10 +28,14 @@ double transfer_ms(double bytes, double GBps) {
 }
 
 // One experts-per-rank curve: time at `rows` per expert, linear between the measured
-// rows, the first point's time below it (small GEMMs are launch-bound), the last
-// segment's slope beyond the last point (large GEMMs are throughput-bound).
-double curve_ms(const std::vector<std::pair<double, double>>& pts, double rows) {
-  if (pts.size() == 1) return pts[0].second * std::max(1.0, rows / pts[0].first);
+// rows, the first point's time below it (small GEMMs are launch-bound). Beyond the last
+// measured rows: with a roofline, the last point's time plus the roofline's extra time
+// for the extra rows at the grid's marginal efficiency `eta` (GemmTable::GemmTable);
+// without one, the last segment's slope, or the last point's ms per row where that
+// slope is <= 0. Never a clamped slope: a zero slope let 262k rows of one expert cost
+// 1.3 ms, below the H200's 2.5 ms floor (issue 30; docs/simulation.md, "Cost model").
+double curve_ms(const std::vector<std::pair<double, double>>& pts, double rows,
+                const Roofline* roof, double eta, bool backward) {
   if (rows <= pts.front().first) return pts.front().second;
   for (size_t j = 1; j < pts.size(); ++j) {
     if (rows <= pts[j].first) {
@@ -40,15 +44,44 @@ double curve_ms(const std::vector<std::pair<double, double>>& pts, double rows) 
       return a.second + (b.second - a.second) * (rows - a.first) / (b.first - a.first);
     }
   }
-  const auto& a = pts[pts.size() - 2];
   const auto& b = pts.back();
-  const double slope = std::max(0.0, (b.second - a.second) / (b.first - a.first));
+  if (roof)
+    return b.second + (roof->expert_ms(rows, backward) - roof->expert_ms(b.first, backward)) / eta;
+  double slope = 0.0;
+  if (pts.size() > 1) {
+    const auto& a = pts[pts.size() - 2];
+    slope = (b.second - a.second) / (b.first - a.first);
+  }
+  if (!(slope > 0)) slope = b.second / b.first;
   return b.second + slope * (rows - b.first);
+}
+
+// The grid's marginal efficiency against the roofline (0, 1]: of the curves' last
+// segments, the one with the most roofline time between its two points (the largest
+// measured work, the least noisy), its roofline time delta over its measured delta;
+// 1 (peak) where no curve has two points with a rising time.
+double marginal_eta(const std::vector<std::vector<std::pair<double, double>>>& curves,
+                    const std::vector<double>& k, const Roofline& roof, bool backward) {
+  double best_work = 0.0, eta = 1.0;
+  for (size_t j = 0; j < curves.size(); ++j) {
+    const auto& c = curves[j];
+    if (c.size() < 2) continue;
+    const auto& a = c[c.size() - 2];
+    const auto& b = c.back();
+    const double work = k[j] * (roof.expert_ms(b.first, backward) - roof.expert_ms(a.first, backward));
+    const double dt = b.second - a.second;
+    if (dt > 0 && work > best_work) {
+      best_work = work;
+      eta = std::min(1.0, work / dt);
+    }
+  }
+  return eta;
 }
 
 }  // namespace
 
-GemmTable::GemmTable(const std::vector<GemmPoint>& grid) {
+GemmTable::GemmTable(const std::vector<GemmPoint>& grid, const Roofline& roofline)
+    : roof_(roofline), has_roof_(roofline.enabled()) {
   if (grid.empty()) throw std::invalid_argument("cost model: no grouped-GEMM points; run "
                                                 "`lrmoe calibrate`");
   std::map<double, std::pair<std::vector<std::pair<double, double>>,
@@ -65,6 +98,10 @@ GemmTable::GemmTable(const std::vector<GemmPoint>& grid) {
     std::sort(kv.second.second.begin(), kv.second.second.end());
     fwd_.push_back(kv.second.first);
     bwd_.push_back(kv.second.second);
+  }
+  if (has_roof_) {
+    eta_fwd_ = marginal_eta(fwd_, k_, roof_, false);
+    eta_bwd_ = marginal_eta(bwd_, k_, roof_, true);
   }
 }
 
@@ -83,7 +120,13 @@ double GemmTable::ms(double k, double rows, bool backward) const {
   if (k <= 0 || rows <= 0) return 0.0;
   const auto& curves = backward ? bwd_ : fwd_;
   const double per_expert = rows / k;
-  return along_k(k, [&](size_t j) { return curve_ms(curves[j], per_expert); });
+  const Roofline* roof = has_roof_ ? &roof_ : nullptr;
+  const double eta = backward ? eta_bwd_ : eta_fwd_;
+  const double t = along_k(k, [&](size_t j) { return curve_ms(curves[j], per_expert, roof, eta, backward); });
+  if (!has_roof_) return t;
+  // the floor: k experts of rows / k each (a fractional k counts as its share of one)
+  const double floor = k * roof_.expert_ms(per_expert, backward) + roof_.launch_us * 1e-3;
+  return std::max(t, floor);
 }
 
 double GemmTable::ms_instances(const std::vector<double>& rows_I, bool backward) const {
@@ -91,12 +134,15 @@ double GemmTable::ms_instances(const std::vector<double>& rows_I, bool backward)
   double k = 0;
   for (double r : rows_I) k += r > 0;
   if (k == 0) return 0.0;
-  return along_k(k, [&](size_t j) {
+  const Roofline* roof = has_roof_ ? &roof_ : nullptr;
+  const double eta = backward ? eta_bwd_ : eta_fwd_;
+  const double t = along_k(k, [&](size_t j) {
     double sum = 0;
     for (double r : rows_I)
-      if (r > 0) sum += curve_ms(curves[j], r);
+      if (r > 0) sum += curve_ms(curves[j], r, roof, eta, backward);
     return sum / k;
   });
+  return has_roof_ ? std::max(t, roof_.rank_ms(rows_I, backward)) : t;
 }
 
 double gemm_ms(const std::vector<GemmPoint>& grid, double k, double rows, bool backward) {
@@ -275,7 +321,7 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
   }
   const PerRowCosts& c = cfg.cost.per_row;
   const double ep_f = W > 1 ? c.ep_fwd : 0.0, ep_b = W > 1 ? c.ep_bwd : 0.0;
-  const GemmTable gemm(cfg.cost.gemm);
+  const GemmTable gemm(cfg.cost.gemm, cfg.cost.roofline);
   double b1 = 0, b2 = 0, b3 = 0, b4 = 0;
   // combine and dx go back from expert ranks to sources: the transposes
   res.dispatch_ms = sums_ms(Mf, W, rb, cfg.link, false, &b1);

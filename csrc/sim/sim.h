@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "planner/plan.h"
+#include "sim/roofline.h"
 
 namespace lrmoe {
 namespace sim {
@@ -46,6 +47,7 @@ struct CostModel {
   std::vector<GemmPoint> gemm;  // any order; at least one point
   PerRowCosts per_row;
   double h2d_GBps = 0;          // host <-> device, for offload (0: offload not timed)
+  Roofline roofline;            // the expert GEMMs' floor (roofline.h; off when peak is 0)
 };
 
 // All-to-all links: per-GPU bandwidth and latency within a node and between nodes.
@@ -71,8 +73,13 @@ struct SimConfig {
 // The grid grouped by experts per rank, each curve sorted by rows (built once per layer).
 class GemmTable {
  public:
-  // Throws std::invalid_argument on an empty grid (run `lrmoe calibrate`).
-  explicit GemmTable(const std::vector<GemmPoint>& grid);
+  // Throws std::invalid_argument on an empty grid (run `lrmoe calibrate`) or a roofline
+  // set with bad fields (Roofline::enabled). With a roofline (peak_TFLOPs > 0) every time
+  // is at least its floor, and a curve beyond its last measured rows adds the roofline's
+  // time for the extra rows at the grid's marginal efficiency (its largest measured
+  // segment's roofline time over measured time, at most 1); without one, the curve's
+  // last slope (its last point's ms per row where that slope is <= 0).
+  explicit GemmTable(const std::vector<GemmPoint>& grid, const Roofline& roofline = Roofline());
   // The grouped-GEMM time of a rank holding k instances with `rows` rows in all: the
   // grid interpolated at (k, rows / k); see docs/simulation.md, "Cost model".
   double ms(double k, double rows, bool backward) const;
@@ -88,6 +95,9 @@ class GemmTable {
   // ms_instances() share it)
   template <typename F>
   double along_k(double k, F v) const;
+  Roofline roof_;
+  bool has_roof_ = false;
+  double eta_fwd_ = 1.0, eta_bwd_ = 1.0;  // marginal efficiency beyond the grid's rows
   std::vector<double> k_;                                  // ascending experts per rank
   std::vector<std::vector<std::pair<double, double>>> fwd_, bwd_;  // (rows, ms) per k
 };

@@ -152,12 +152,35 @@ def simulate(load_SLWE: np.ndarray, policy: str, memory: MemoryModel, costs: Cos
     return out
 
 
+#: the expert GEMMs' roofline on an H200 (docs/simulation.md, "Cost model", gives the
+#: sources): dense bf16 TFLOP/s, HBM GB/s, and an assumed launch floor per grouped-GEMM
+#: pass of one rank in us
+H200_PEAK_TFLOPS = 989.0
+H200_HBM_GBPS = 4800.0
+GEMM_LAUNCH_US = 10.0
+
+
+def _roofline(costs: Costs, elem_bytes: int) -> "_C.sim.Roofline":
+    """The H200 roofline of ``costs.dims``' expert (hidden, inter) for a cost file measured
+    on an H200 (``meta.device`` names one); off (peak 0) for another device, whose
+    constants are not known here, or dims without hidden or inter."""
+    h, i = costs.dims.get("hidden"), costs.dims.get("inter")
+    if not h or not i or "H200" not in str(costs.meta.get("device", "")):
+        return _C.sim.Roofline()
+    return _C.sim.Roofline(peak_TFLOPs=H200_PEAK_TFLOPS, hbm_GBps=H200_HBM_GBPS,
+                           launch_us=GEMM_LAUNCH_US, hidden=int(h), inter=int(i),
+                           elem_bytes=int(elem_bytes))
+
+
 def sim_config(costs: Costs, links: Links, hidden: int, offload: bool = False,
                offload_row_bytes: int = 0, elem_bytes: int = 2,
                per_rank_bytes: bool = False) -> "_C.sim.SimConfig":
     """The simulator's settings as a ``lrmoe._C.sim.SimConfig``, every field set by name
     (arguments as in :func:`simulate`; the device copy of a rank's own rows runs at
-    :attr:`Costs.self_copy_GBps`).
+    :attr:`Costs.self_copy_GBps`). The expert GEMMs are floored at the H200 roofline
+    (:data:`H200_PEAK_TFLOPS`, :data:`H200_HBM_GBPS`, :data:`GEMM_LAUNCH_US`) of the cost
+    file's ``dims`` (hidden, inter), and beyond the calibrated rows extrapolated along it
+    (only for a cost file measured on an H200: :func:`_roofline`).
 
     Raises:
         ValueError: ``costs.gemm_G4`` not (points, 4) with at least one point; a value a
@@ -171,7 +194,7 @@ def sim_config(costs: Costs, links: Links, hidden: int, offload: bool = False,
     cost = _C.sim.CostModel(
         gemm=[_C.sim.GemmPoint(experts=e, rows=r, fwd_ms=f, bwd_ms=b) for e, r, f, b in g],
         per_row=_C.sim.PerRowCosts(**{k: float(costs.per_row[k]) for k in PER_ROW}),
-        h2d_GBps=float(costs.h2d_GBps))
+        h2d_GBps=float(costs.h2d_GBps), roofline=_roofline(costs, elem_bytes))
     link = _C.sim.LinkModel(gpus_per_node=int(links.gpus_per_node),
                             intra_GBps=float(links.intra_GBps),
                             intra_latency_us=float(links.intra_latency_us),

@@ -62,6 +62,52 @@ def synthetic_loads(num_ranks: int, num_experts: int, pairs_per_rank: int,
     return rng.multinomial(pairs_per_rank, p / p.sum(), size=num_ranks).astype(np.int64)
 
 
+def drifting_loads(num_ranks: int, num_experts: int, pairs_per_rank: int, steps: int,
+                   max_over_mean: float = 2.0, swaps_per_step: int = 8,
+                   seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+    """(S, W, E) int64 routed pairs whose Zipf popularity *drifts*: the ranking of experts
+    moves between steps, so a policy planning from the previous step's loads (SYMI's
+    one-step lag) plans for a popularity that has since changed (issue 30).
+
+    Step 0 ranks the experts by a seeded shuffle; every later step applies
+    ``swaps_per_step`` transpositions of neighbouring ranks, each at a uniformly drawn
+    rank position i (ranks i and i + 1 trade experts), so at most 2 x ``swaps_per_step``
+    experts change rank per step and the hot experts wander over many steps. Each source
+    rank then draws ``pairs_per_rank`` pairs from Zipf weights over the ranks (exponent
+    for ``max_over_mean``, :func:`zipf_exponent`; 1 = uniform, where the drift changes
+    nothing). Everything follows from ``seed``.
+
+    Returns:
+        (load_SWE, rank_SE): the loads, and per step the expert at each popularity rank
+        (rank_SE[s, 0] the hottest).
+
+    Raises:
+        ValueError: sizes < 1 (``pairs_per_rank`` < 0), ``swaps_per_step`` < 0, or
+            ``max_over_mean`` outside [1, E).
+    """
+    if num_ranks < 1 or num_experts < 1 or steps < 1 or pairs_per_rank < 0:
+        raise ValueError(f"need num_ranks, num_experts, steps >= 1 and pairs_per_rank >= 0; "
+                         f"got {num_ranks}, {num_experts}, {steps}, {pairs_per_rank}")
+    if swaps_per_step < 0:
+        raise ValueError(f"swaps_per_step must be >= 0 (0: a fixed ranking), got {swaps_per_step}")
+    a = 0.0 if max_over_mean == 1.0 else zipf_exponent(num_experts, max_over_mean)
+    w = np.arange(1, num_experts + 1, dtype=np.float64) ** -a
+    w /= w.sum()
+    rng = np.random.default_rng([seed, 2])
+    order = rng.permutation(num_experts)
+    rank_SE = np.empty((steps, num_experts), dtype=np.int64)
+    load = np.empty((steps, num_ranks, num_experts), dtype=np.int64)
+    for s in range(steps):
+        if s > 0 and num_experts > 1:
+            for i in rng.integers(0, num_experts - 1, size=swaps_per_step):
+                order[i], order[i + 1] = order[i + 1], order[i]
+        rank_SE[s] = order
+        p = np.empty(num_experts)
+        p[order] = w  # expert order[r] has the weight of rank r
+        load[s] = rng.multinomial(pairs_per_rank, p, size=num_ranks)
+    return load, rank_SE
+
+
 def trace_loads(path: os.PathLike, num_ranks: int, tokens_per_rank: Optional[int] = None,
                 record: Optional[int] = None, seed: int = 0) -> Tuple[np.ndarray, dict]:
     """(W, E) routed pairs from a routing trace (``lrmoe train --record-trace``) and its meta.

@@ -1,13 +1,14 @@
-// Speed benchmark of csrc/sim: steps x layers of one expert-parallel group per policy.
+// Speed benchmark of csrc/sim: steps x layers x every expert-parallel group of the
+// cluster per policy (sim/cluster.h).
 //
 //   ./bench_sim [steps=1000] [layers=48] [gpus=1024] [threads=2] [experts=128] [slack=0]
 //
-// The GPUs form data-parallel copies of one EP group of min(gpus, experts) ranks
-// (nodes of 8); the simulator replays one representative group (docs/simulation.md,
+// The GPUs form gpus / ep data-parallel copies of an EP group of ep = min(gpus, experts)
+// ranks (nodes of 8); every group is simulated on its own loads (docs/simulation.md,
 // "64-1024 GPUs"). Loads: the paper's micro-batch, 262,144 routed pairs per source rank
 // (4 x 8192 tokens x top-8), Zipf-skewed per layer (exponent 1, hot experts at random
-// ids per layer), 16 distinct steps of +-20 % noise replayed in turn as a re-sampled
-// trace is. Costs: the Qwen3-30B-A3B figures of docs/journal/performance.md (one point per
+// ids per layer), 16 distinct draws of +-20 % noise; group g at step s takes draw
+// (s + 2 g) mod 16, so the groups of one step see different loads. Costs: the Qwen3-30B-A3B figures of docs/journal/performance.md (one point per
 // experts count, linear in rows), NVLink 370 GB/s, network 50 GB/s per GPU. c = 0.3 and
 // the balance target `slack` for lrmoe (0, the library's default,
 // lrmoe.planner.DEFAULT_BALANCE_SLACK; negative: off). Prints wall seconds per policy
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "planner/plan.h"
+#include "sim/cluster.h"
 #include "sim/sim.h"
 
 using namespace lrmoe;
@@ -33,6 +35,7 @@ int main(int argc, char** argv) {
   const int E = argc > 5 ? std::atoi(argv[5]) : 128;
   const double slack = argc > 6 ? std::atof(argv[6]) : 0.0;
   const int W = std::min(gpus, E);
+  const int64_t groups = std::max(1, gpus / W);
   const int64_t distinct = 16, pairs = 4 * 8192 * 8;
   const size_t cell = static_cast<size_t>(W) * E;
   std::mt19937_64 rng(1);
@@ -70,38 +73,41 @@ int main(int argc, char** argv) {
   cfg.link = {8, 370, 10, 50, 20, 2100};
   cfg.hidden = H;
 
-  const int64_t chunk = 8;
+  const int64_t chunk = 2;  // steps per call: chunk x groups x layers x W x E loads in memory
+  const int64_t per_step = groups * layers;  // (group, layer) cells of one step
   double total = 0;
-  std::printf("%-8s %6s %6s %5s %4s %9s %12s %9s\n", "policy", "steps", "layers", "gpus", "ep",
-              "seconds", "mean_fb_ms", "feasible");
+  std::printf("%-8s %6s %6s %5s %4s %6s %9s %12s %12s %9s\n", "policy", "steps", "layers",
+              "gpus", "ep", "groups", "seconds", "max_fb_ms", "mean_fb_ms", "feasible");
   for (const char* policy : {"fixed", "ultraep", "symi", "lrmoe"}) {
     planner::PlanInput in = base;
     in.recalibration_rate = std::string(policy) == "lrmoe" ? 0.3 : 0.0;
     in.balance_slack = slack;
     const auto t0 = std::chrono::steady_clock::now();
-    double sum_ms = 0;
+    double sum_ms = 0, sum_mean = 0;
     int64_t ok = 0, n = 0;
     std::vector<int64_t> loads, prev;
     for (int64_t s0 = 0; s0 < steps; s0 += chunk) {
       const int64_t ns = std::min(chunk, steps - s0);
-      loads.resize(static_cast<size_t>(ns * layers) * cell);
-      for (int64_t s = 0; s < ns; ++s) {
-        const size_t from = static_cast<size_t>(((s0 + s) % distinct) * layers) * cell;
-        std::copy(pool.begin() + from, pool.begin() + from + layers * cell,
-                  loads.begin() + static_cast<size_t>(s * layers) * cell);
-      }
-      const auto out = sim::simulate_trace(policy, in, loads, ns, layers, cfg, threads,
-                                           prev.empty() ? nullptr : &prev);
-      prev.assign(loads.end() - layers * cell, loads.end());
+      loads.resize(static_cast<size_t>(ns * per_step) * cell);
+      for (int64_t s = 0; s < ns; ++s)
+        for (int64_t g = 0; g < groups; ++g) {
+          const size_t from = static_cast<size_t>(((s0 + s + 2 * g) % distinct) * layers) * cell;
+          std::copy(pool.begin() + from, pool.begin() + from + layers * cell,
+                    loads.begin() + static_cast<size_t>((s * groups + g) * layers) * cell);
+        }
+      const auto out = sim::simulate_cluster(policy, in, loads, ns, groups, layers, cfg, threads,
+                                             prev.empty() ? nullptr : &prev);
+      prev.assign(loads.end() - per_step * cell, loads.end());
       for (const auto& r : out) {
         ++n;
-        if (r.feasible) { ++ok; sum_ms += r.fwd_ms + r.bwd_ms; }
+        if (r.feasible) { ++ok; sum_ms += r.time_ms; sum_mean += r.mean_group_ms; }
       }
     }
     const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     total += sec;
-    std::printf("%-8s %6lld %6lld %5d %4d %9.2f %12.3f %5lld/%lld\n", policy, (long long)steps,
-                (long long)layers, gpus, W, sec, ok ? sum_ms / ok : NAN, (long long)ok, (long long)n);
+    std::printf("%-8s %6lld %6lld %5d %4d %6lld %9.2f %12.3f %12.3f %5lld/%lld\n", policy,
+                (long long)steps, (long long)layers, gpus, W, (long long)groups, sec,
+                ok ? sum_ms / ok : NAN, ok ? sum_mean / ok : NAN, (long long)ok, (long long)n);
   }
   std::printf("total %.2f s (%d threads)\n", total, threads);
   return 0;

@@ -6,12 +6,15 @@
 // Legend: W ranks, E experts, L_WE loads, G GPUs per node. Times ms, bytes plain.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "planner/plan.h"
+#include "sim/a2a.h"
+#include "sim/cluster.h"
 #include "sim/sim.h"
 
 namespace {
@@ -332,3 +335,238 @@ TEST(Sim, OffloadChargesOnlyWhatComputeCannotHide) {
 }
 
 }  // namespace
+
+// The roofline of one Qwen3-30B-A3B expert (H 2048, I 768) on the H200 constants of
+// docs/simulation.md ("Cost model"): 989 TFLOP/s, 4,800 GB/s, 10 us per pass.
+sim::Roofline qwen3_h200() {
+  sim::Roofline r;
+  r.peak_TFLOPs = 989;
+  r.hbm_GBps = 4800;
+  r.launch_us = 10;
+  r.hidden = 2048;
+  r.inter = 768;
+  r.elem_bytes = 2;
+  return r;
+}
+
+// By hand: 6 H I = 9,437,184 FLOP per row forward, 12 H I backward; 1 TFLOP/s is 1e9
+// FLOP per ms, 1 GB/s 1e6 bytes per ms.
+double hand_floor_ms(double rows, bool backward) {
+  if (rows <= 0) return 0.0;
+  const double HI = 2048.0 * 768.0, H = 2048.0;
+  const double fl = (backward ? 12.0 : 6.0) * HI * rows / 989e9;
+  const double by = (backward ? 2 * 3 * HI * 2 + 3 * H * 2 * rows : 3 * HI * 2 + 2 * H * 2 * rows)
+                    / 4800e6;
+  return std::max(fl, by);
+}
+
+TEST(Roofline, HandComputedFloor) {
+  const sim::Roofline r = qwen3_h200();
+  // 262,144 rows forward: 2.474e12 FLOP / 989e9 = 2.5014 ms; bytes 9.4 MB of weights +
+  // 262,144 x 8,192 B = 2.157e9 B / 4.8e9 = 0.449 ms: FLOP-bound
+  EXPECT_NEAR(r.expert_ms(262144, false), 9437184.0 * 262144 / 989e9, 1e-12);
+  EXPECT_NEAR(r.expert_ms(262144, false), 2.5014, 1e-4);
+  // 16 rows: 1.5e8 FLOP = 0.000153 ms against 9.70e6 B = 0.00202 ms: bandwidth-bound
+  EXPECT_NEAR(r.expert_ms(16, false), (3 * 2048.0 * 768 * 2 + 16 * 8192.0) / 4800e6, 1e-15);
+  EXPECT_NEAR(r.expert_ms(16, true), (2 * 3 * 2048.0 * 768 * 2 + 16 * 12288.0) / 4800e6, 1e-15);
+  // a rank: the instances' floors plus one launch; nothing when no instance has rows
+  EXPECT_NEAR(r.rank_ms({100, 0, 5000}, true),
+              hand_floor_ms(100, true) + hand_floor_ms(5000, true) + 0.01, 1e-15);
+  EXPECT_DOUBLE_EQ(r.rank_ms({0, 0}, false), 0.0);
+  EXPECT_FALSE(sim::Roofline().enabled());
+  sim::Roofline bad = r;
+  bad.hbm_GBps = 0;
+  EXPECT_THROW(bad.enabled(), std::invalid_argument);
+  bad = r;
+  bad.inter = 0;
+  EXPECT_THROW(sim::GemmTable({GemmPoint{1, 10, 1, 1}}, bad), std::invalid_argument);
+}
+
+// The Qwen3 1- and 4-expert curves of configs/costs/h200.json (GEMMs plus each point's
+// time outside the named phases, as lrmoe/sim/costs.py reads them): the 1-expert curve
+// falls from 4,096 to 8,192 rows (launch-bound noise), the slope a clamp made 0.
+const std::vector<GemmPoint> kQwen3Grid = {
+    {1, 16, 1.3252, 1.4156},   {1, 64, 1.5183, 1.5318},   {1, 256, 1.3966, 1.6372},
+    {1, 1024, 1.3541, 1.7748}, {1, 2048, 1.2265, 1.3748}, {1, 4096, 1.3180, 1.5279},
+    {1, 8192, 1.3043, 2.0748}, {4, 16, 1.3340, 2.4152},   {4, 64, 1.3721, 2.2469},
+    {4, 256, 1.6767, 2.0838},  {4, 1024, 1.9583, 1.7656}, {4, 2048, 2.0276, 2.2492},
+    {4, 4096, 1.8690, 2.3627}, {4, 8192, 2.1302, 1.8558}};
+
+TEST(Roofline, BeyondTheGridAtTheMarginalEfficiency) {
+  const sim::GemmTable t(kQwen3Grid, qwen3_h200());
+  // forward: the 1-expert curve's last segment falls, so the grid's efficiency is the
+  // 4-expert one's: 4 x (floor(8192) - floor(4096)) over 2.1302 - 1.8690 ms
+  const double eta = 4 * (hand_floor_ms(8192, false) - hand_floor_ms(4096, false)) / (2.1302 - 1.8690);
+  EXPECT_NEAR(eta, 0.5985, 1e-3);
+  const double want = 1.3043 + (hand_floor_ms(262144, false) - hand_floor_ms(8192, false)) / eta;
+  EXPECT_NEAR(t.ms(1, 262144, false), want, 1e-9);
+  EXPECT_NEAR(want, 5.353, 1e-3);  // the clamped slope said 1.3043
+  EXPECT_GE(t.ms(1, 262144, false), hand_floor_ms(262144, false) + 0.01);
+  // backward: the 4-expert curve falls too, the 1-expert one rises by 0.5469 ms
+  const double eta_b = std::min(1.0, (hand_floor_ms(8192, true) - hand_floor_ms(4096, true)) / (2.0748 - 1.5279));
+  EXPECT_NEAR(t.ms(1, 65536, true),
+              2.0748 + (hand_floor_ms(65536, true) - hand_floor_ms(8192, true)) / eta_b, 1e-9);
+  // inside the grid: the measured points, interpolated (all above the floor)
+  EXPECT_NEAR(t.ms(1, 3072, false), 1.2265 + (1.3180 - 1.2265) * 0.5, 1e-12);
+}
+
+// Zipf-1 loads of `pairs` routed pairs per source over E experts (hot experts at ids
+// drawn by a fixed LCG), +-20 % per source.
+std::vector<int64_t> zipf_loads(int32_t W, int32_t E, int64_t pairs, uint64_t seed) {
+  std::vector<int32_t> perm(static_cast<size_t>(E));
+  for (int32_t e = 0; e < E; ++e) perm[static_cast<size_t>(e)] = e;
+  uint64_t x = seed;
+  auto next = [&]() { x = x * 6364136223846793005ULL + 1442695040888963407ULL; return x >> 33; };
+  for (int32_t e = E - 1; e > 0; --e) std::swap(perm[static_cast<size_t>(e)], perm[next() % (e + 1)]);
+  double h = 0;
+  for (int32_t e = 0; e < E; ++e) h += 1.0 / (e + 1);
+  std::vector<int64_t> L(static_cast<size_t>(W) * E);
+  for (int32_t s = 0; s < W; ++s)
+    for (int32_t e = 0; e < E; ++e) {
+      const double noise = 0.8 + 0.4 * static_cast<double>(next() % 1000) / 1000.0;
+      L[static_cast<size_t>(s) * E + perm[static_cast<size_t>(e)]] =
+          static_cast<int64_t>(pairs * noise / ((e + 1) * h));
+    }
+  return L;
+}
+
+TEST(Roofline, NoLayerAtEp64To128BelowTheFloor) {
+  // Qwen3 at EP64 and EP128, 262,144 pairs per source (4 x 8,192 tokens x top-8), the
+  // calibrated grid: each rank's expert GEMMs (from the plan's own rows per instance,
+  // summed here) at least their roofline, computed by hand_floor_ms above
+  sim::SimConfig cfg;
+  cfg.cost.gemm = kQwen3Grid;
+  cfg.cost.roofline = qwen3_h200();
+  cfg.link = {8, 370, 10, 50, 20, 2100};
+  cfg.hidden = 2048;
+  const int64_t H = 2048, I = 768, GiB = int64_t(1) << 30;
+  int timed = 0;
+  for (int32_t W : {64, 128}) {
+    planner::PlanInput in;
+    in.num_ranks = W;
+    in.num_experts = 128;
+    in.memory = {3 * H * I * 2, 3 * H * I * 4, 3 * H * I * 12, false,
+                 2 * H + 4 * I + 2 * H, 6 * H + 12 * I, 80 * GiB, 64 * GiB};
+    in.load_WE = zipf_loads(W, 128, 262144, 7 + W);
+    for (const char* policy : {"fixed", "ultraep", "symi", "lrmoe"}) {
+      in.recalibration_rate = std::string(policy) == "lrmoe" ? 0.3 : 0.0;
+      const planner::Plan plan = planner::make_plan(policy, in);
+      const sim::LayerResult r = sim::simulate_plan(plan, in, cfg);
+      if (!r.feasible) continue;
+      ++timed;
+      double floor_f = 0, floor_b = 0;
+      std::vector<std::vector<double>> f_W(static_cast<size_t>(W)), b_W(static_cast<size_t>(W));
+      for (int32_t i = 0; i < static_cast<int32_t>(plan.instance_rank.size()); ++i) {
+        double f = 0, b = 0;
+        for (int32_t s = 0; s < W; ++s) {
+          f += static_cast<double>(plan.forward_IW[static_cast<size_t>(i) * W + s]);
+          b += static_cast<double>(plan.retained_IW[static_cast<size_t>(i) * W + s]);
+        }
+        f_W[static_cast<size_t>(plan.instance_rank[static_cast<size_t>(i)])].push_back(f);
+        b_W[static_cast<size_t>(plan.instance_rank[static_cast<size_t>(i)])].push_back(b);
+      }
+      for (int32_t w = 0; w < W; ++w) {
+        double ff = 0, bb = 0;
+        for (double v : f_W[static_cast<size_t>(w)]) ff += hand_floor_ms(v, false);
+        for (double v : b_W[static_cast<size_t>(w)]) bb += hand_floor_ms(v, true);
+        floor_f = std::max(floor_f, ff + (ff > 0 ? 0.01 : 0.0));
+        floor_b = std::max(floor_b, bb + (bb > 0 ? 0.01 : 0.0));
+      }
+      SCOPED_TRACE(std::string(policy) + " W=" + std::to_string(W));
+      EXPECT_GT(floor_f, 1.0);  // the shape is large enough for the floor to matter
+      EXPECT_GE(r.expert_fwd_ms, floor_f * (1 - 1e-12));
+      EXPECT_GE(r.expert_bwd_ms, floor_b * (1 - 1e-12));
+      EXPECT_GE(r.fwd_ms + r.bwd_ms, floor_f + floor_b);
+    }
+  }
+  EXPECT_GE(timed, 4);
+}
+
+TEST(Cluster, EveryGroupOnItsOwnLoadsTheSlowestDecides) {
+  // 2 steps x 3 groups x 2 layers of the toy cluster, each (step, group, layer) with its
+  // own loads; each group's layer simulated alone here (simulate_layer, symi given the
+  // same group's same layer one step earlier by hand), the max taken by hand
+  const planner::PlanInput base = toy_input();
+  const sim::SimConfig cfg = toy_config();
+  const int64_t S = 2, Gr = 3, Lyr = 2;
+  std::vector<int64_t> loads;
+  for (int64_t j = 0; j < S * Gr * Lyr; ++j)
+    for (int64_t v : {30 + 7 * j, 10 + 3 * (j % 4), 20 + 5 * (j % 3), 40 - 2 * j}) loads.push_back(v);
+  for (const char* policy : {"fixed", "symi"}) {
+    const auto out = sim::simulate_cluster(policy, base, loads, S, Gr, Lyr, cfg, 2);
+    ASSERT_EQ(out.size(), static_cast<size_t>(S * Lyr));
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t l = 0; l < Lyr; ++l) {
+        double worst = -1, sum = 0;
+        int32_t at = -1;
+        for (int64_t g = 0; g < Gr; ++g) {
+          planner::PlanInput in = base;
+          const size_t cell = static_cast<size_t>(((s * Gr + g) * Lyr + l) * 4);
+          in.load_WE.assign(loads.begin() + cell, loads.begin() + cell + 4);
+          if (std::string(policy) == "symi" && s > 0) {
+            const size_t p = static_cast<size_t>((((s - 1) * Gr + g) * Lyr + l) * 4);
+            in.previous_load_E = {loads[p] + loads[p + 2], loads[p + 1] + loads[p + 3]};
+          }
+          const sim::LayerResult r = sim::simulate_layer(policy, in, cfg);
+          ASSERT_TRUE(r.feasible);
+          sum += r.fwd_ms + r.bwd_ms;
+          if (r.fwd_ms + r.bwd_ms > worst) { worst = r.fwd_ms + r.bwd_ms; at = static_cast<int32_t>(g); }
+        }
+        const sim::ClusterLayer& c = out[static_cast<size_t>(s * Lyr + l)];
+        EXPECT_TRUE(c.feasible);
+        EXPECT_DOUBLE_EQ(c.time_ms, worst);
+        EXPECT_EQ(c.slowest_group, at);
+        EXPECT_NEAR(c.mean_group_ms, sum / Gr, 1e-12);
+      }
+  }
+  EXPECT_THROW(sim::simulate_cluster("fixed", base, loads, S, 0, Lyr, cfg, 1), std::invalid_argument);
+  EXPECT_THROW(sim::simulate_cluster("fixed", base, loads, S, 2, Lyr, cfg, 1), std::invalid_argument);
+}
+
+TEST(A2A, TokenLevelDispatchDedupsPerRankAndNode) {
+  // W 4 in nodes of 2 (node 0: ranks 0, 1; node 1: ranks 2, 3), K 2, three tokens of
+  // source 0: t0 -> ranks {2, 3} (one remote node), t1 -> {1, 1} (one rank twice),
+  // t2 -> {0, 3}. By hand: t0 crosses the network once, 0 -> 2 (the proxy with local
+  // index 0 on node 1), and 2 forwards it to 3; t1 one NVLink row 0 -> 1; t2 a self row
+  // and a network row 0 -> 2, forwarded 2 -> 3. Without dedup: 3 network rows (t0 twice).
+  // One token of source 3: {3, -1}: a self row.
+  const sim::TokenDispatch d = sim::token_dispatch({0, 0, 0, 3}, {2, 3, 1, 1, 0, 3, 3, -1}, 2, 4, 2);
+  EXPECT_EQ(d.self_W, (std::vector<int64_t>{1, 0, 0, 1}));
+  EXPECT_EQ(d.inter_out_W, (std::vector<int64_t>{2, 0, 0, 0}));
+  EXPECT_EQ(d.inter_in_W, (std::vector<int64_t>{0, 0, 2, 0}));
+  EXPECT_EQ(d.intra_out_W, (std::vector<int64_t>{1, 0, 2, 0}));
+  EXPECT_EQ(d.intra_in_W, (std::vector<int64_t>{0, 1, 0, 2}));
+  EXPECT_EQ(d.inter_peers_W, (std::vector<int64_t>{1, 0, 0, 0}));
+  EXPECT_EQ(d.intra_peers_W, (std::vector<int64_t>{1, 0, 1, 0}));
+  EXPECT_EQ(d.pair_inter_rows, 3);
+  // time, 1000 B rows, network 1 GB/s 5 us, NVLink 2 GB/s 1 us, no self cost:
+  // network phase: rank 0 sends 2 rows (and rank 2 receives 2): 2000 B / 1e6 B/ms +
+  // 0.005 = 0.007; NVLink phase: rank 2 forwards 2 rows, rank 3 receives 2: 2000 / 2e6 +
+  // 0.001 = 0.002; in sequence 0.009, over 4 chunks 0.007 + 0.002 / 4
+  sim::LinkModel link;
+  link.gpus_per_node = 2;
+  link.intra_GBps = 2.0;
+  link.intra_latency_us = 1.0;
+  link.inter_GBps = 1.0;
+  link.inter_latency_us = 5.0;
+  EXPECT_NEAR(sim::hierarchical_a2a_ms(d, 1000.0, link, 0.0, 1), 0.009, 1e-15);
+  EXPECT_NEAR(sim::hierarchical_a2a_ms(d, 1000.0, link, 0.0, 4), 0.0075, 1e-15);
+  // 2 us per peer: ranks 0 and 2 each have one peer per phase: 0.009 + 0.004
+  EXPECT_NEAR(sim::hierarchical_a2a_ms(d, 1000.0, link, 2.0, 1), 0.013, 1e-15);
+  EXPECT_THROW(sim::token_dispatch({0}, {1}, 2, 4, 2), std::invalid_argument);
+  EXPECT_THROW(sim::token_dispatch({0, 0}, {4, 0, 1, 1}, 2, 4, 2), std::invalid_argument);
+  EXPECT_THROW(sim::hierarchical_a2a_ms(d, 1000.0, link, 0.0, 0), std::invalid_argument);
+}
+
+TEST(A2A, EightNodeFanOutCrossesOncePerNode) {
+  // EP16 in nodes of 8: one token of rank 0 to experts on ranks 8..15 (K 8, all on node
+  // 1) crosses once (to rank 8, which forwards to 9..15: 7 NVLink rows); per pair it
+  // would be 8 network rows -- the 4x-8x excess of issue 30
+  std::vector<int32_t> dest;
+  for (int32_t r = 8; r < 16; ++r) dest.push_back(r);
+  const sim::TokenDispatch d = sim::token_dispatch({0}, dest, 8, 16, 8);
+  EXPECT_EQ(d.inter_out_W[0], 1);
+  EXPECT_EQ(d.inter_in_W[8], 1);
+  EXPECT_EQ(d.intra_out_W[8], 7);
+  EXPECT_EQ(d.pair_inter_rows, 8);
+}

@@ -8,6 +8,7 @@ for the bytes, hand-computed steps to loss for Table 1.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -407,3 +408,19 @@ def test_cost_file_values_out_of_range_are_named(tmp_path, where, value, key):
         load_costs(str(path))
     # the file as written by hand (no corruption) reads, so the check is on the value
     load_costs(str(_hand_cost_file(tmp_path / "good.json")))
+
+
+def test_sim_config_floors_h200_costs_at_the_roofline():
+    """An H200 cost file gets the H200 roofline of its shape's expert (989 TFLOP/s,
+    4,800 GB/s, docs/simulation.md "Cost model"); a hand file of no named device none."""
+    from lrmoe.sim.simulate import sim_config
+    c = Costs.from_file("configs/costs/h200.json", "qwen3-30b-a3b")
+    roof = sim_config(c, _links(), 2048).cost.roofline
+    assert (roof.peak_TFLOPs, roof.hbm_GBps, roof.hidden, roof.inter) == (989.0, 4800.0, 2048, 768)
+    hand = dataclasses.replace(c, meta=dict(device="hand"))
+    assert sim_config(hand, _links(), 2048).cost.roofline.peak_TFLOPs == 0.0
+
+
+def _links():
+    from lrmoe.sim.links import Links
+    return Links.from_file()

@@ -103,3 +103,21 @@ def test_bad_arguments_of_the_entry_points_are_named():
         S.simulate(good, "fixed", MemoryModel(0, 0, 0, 0, 0, 1 << 40, 0),
                    Costs("t", {}, np.zeros((0, 4)), {k: 0.0 for k in PER_ROW}, 0.0, {}),
                    Links.from_file(), hidden=64)
+
+
+def test_simulate_cluster_takes_the_slowest_group_by_hand():
+    """One rank per group, one expert, 3 groups of one layer and 2 steps: group g's
+    layer of step s has 100 x (1 + g + s) pairs; the one GEMM point (100 rows: 1 ms
+    forward, 2 ms backward) grows in proportion beyond it, so a layer of 100 n rows takes
+    3 n ms and the slowest group is the last: 3 x (3 + s) ms, the mean 3 x (2 + s)."""
+    _, memory, costs = toy()
+    cfg = S.sim_config(costs, Links.from_file(), 64)
+    inp = S.plan_input(1, 1, memory, 0.0, "proportional", 0, 0, 0.5, 0, 1, 0.0)
+    load = np.array([[[[[100 * (1 + g + s)]]] for g in range(3)] for s in range(2)],
+                    dtype=np.int64)
+    out = B.simulate_cluster("fixed", inp, load, cfg, 2)
+    assert [r.time_ms for r in out] == [9.0, 12.0]
+    assert [r.slowest_group for r in out] == [2, 2]
+    assert [r.mean_group_ms for r in out] == pytest.approx([6.0, 9.0])
+    with pytest.raises(ValueError, match="loads_SGLWE"):
+        B.simulate_cluster("fixed", inp, load[0], cfg, 1)

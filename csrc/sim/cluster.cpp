@@ -1,0 +1,52 @@
+// A whole cluster of expert-parallel groups (cluster.h).
+#include "sim/cluster.h"
+
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+
+namespace lrmoe {
+namespace sim {
+
+std::vector<ClusterLayer> simulate_cluster(const std::string& policy,
+                                           const planner::PlanInput& base,
+                                           const std::vector<int64_t>& loads_SGLWE,
+                                           int64_t steps, int64_t groups, int64_t layers,
+                                           const SimConfig& cfg, int32_t threads,
+                                           const std::vector<int64_t>* previous_GLWE) {
+  if (groups < 1) throw std::invalid_argument("simulate_cluster: groups must be >= 1");
+  if (steps < 1 || layers < 1)
+    throw std::invalid_argument("simulate_cluster: steps and layers must be >= 1");
+  // (group, layer) flattened into one layer axis of Gr x Lyr: simulate_trace's "same
+  // layer one step earlier" is then the same group's same layer, as symi needs
+  const std::vector<LayerResult> r = simulate_trace(policy, base, loads_SGLWE, steps,
+                                                    groups * layers, cfg, threads, previous_GLWE);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  std::vector<ClusterLayer> out(static_cast<size_t>(steps * layers));
+  for (int64_t s = 0; s < steps; ++s)
+    for (int64_t l = 0; l < layers; ++l) {
+      ClusterLayer& c = out[static_cast<size_t>(s * layers + l)];
+      double sum = 0;
+      int64_t ok = 0;
+      for (int64_t g = 0; g < groups; ++g) {
+        const LayerResult& x = r[static_cast<size_t>((s * groups + g) * layers + l)];
+        if (!x.feasible) {
+          c.feasible = false;
+          continue;
+        }
+        const double t = x.fwd_ms + x.bwd_ms;
+        sum += t;
+        ++ok;
+        if (c.slowest_group < 0 || t > c.time_ms) {
+          c.time_ms = t;
+          c.slowest_group = static_cast<int32_t>(g);
+        }
+      }
+      c.mean_group_ms = ok ? sum / static_cast<double>(ok) : nan;
+      if (!c.feasible) c.time_ms = nan;
+    }
+  return out;
+}
+
+}  // namespace sim
+}  // namespace lrmoe
