@@ -80,6 +80,9 @@ void validate(const PlanInput& in, PolicyKind kind) {
     fail("balance_slack must be a number (< 0: off), got NaN");
   if (in.backward_row_capacity < 0)
     fail("backward_row_capacity must be >= 0 (0: bounded by memory only), got " + num(in.backward_row_capacity));
+  if (in.replica_cost_rows < 0)
+    fail("replica_cost_rows must be >= 0 (one replica's weight and grad traffic in the time of "
+         "computing one row; 0: replicas cost only their slot), got " + num(in.replica_cost_rows));
   if (in.min_replica_rows < 1) fail("min_replica_rows must be >= 1, got " + num(in.min_replica_rows));
   if (!in.previous_load_E.empty()) {
     if (static_cast<int64_t>(in.previous_load_E.size()) != E)
@@ -141,7 +144,7 @@ Layout fixed_layout(const PlanInput& in, const std::vector<int64_t>& n_E,
 
 Plan assemble(const PlanInput& in, PolicyKind kind, const Layout& lay,
               const std::vector<int64_t>& quota_E, const RankBytes& bytes, bool bounded,
-              int64_t target_rows) {
+              int64_t target_rows, const std::vector<int64_t>* retained_I) {
   const int32_t W = in.num_ranks, E = in.num_experts;
   const MemoryModel& m = in.memory;
   Plan p;
@@ -215,8 +218,13 @@ Plan assemble(const PlanInput& in, PolicyKind kind, const Layout& lay,
     room_n.resize(static_cast<size_t>(n));
     b_n.resize(static_cast<size_t>(n));
     for (int32_t i = 0; i < n; ++i) room_n[i] = room_W[lay.rank[off + i]];
-    int64_t left = split_over_instances(quota_E[e], f_n.data(), room_n.data(), n, b_n.data());
-    if (left > 0 && target_rows > 0) {  // the target cannot be met: the hard rooms only
+    int64_t left = 0;
+    if (retained_I) {  // decided by the caller (joint.h): b <= f per instance
+      for (int32_t i = 0; i < n; ++i) b_n[i] = (*retained_I)[static_cast<size_t>(off + i)];
+    } else {
+      left = split_over_instances(quota_E[e], f_n.data(), room_n.data(), n, b_n.data());
+    }
+    if (!retained_I && left > 0 && target_rows > 0) {  // the target cannot be met: the hard rooms only
       for (int32_t i = 0; i < n; ++i) room_n[i] = hard_W[lay.rank[off + i]];
       left = split_over_instances(quota_E[e], f_n.data(), room_n.data(), n, b_n.data());
     }

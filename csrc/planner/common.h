@@ -51,10 +51,12 @@ struct RankBytes {
 // Builds the plan: forward split (route.h split_forward), retained shares (route.h,
 // bounded by each rank's remaining backward rows when `bounded`, and then also by
 // `target_rows` > 0 per rank where it can be met), rows per rank, memory and
-// feasibility (the reason names the binding constraint and by how much).
+// feasibility (the reason names the binding constraint and by how much). With
+// `retained_I` (I entries, 0 <= retained_I[i] <= layout.rows[i], summing to quota_E[e]
+// over e's instances) the retained rows per instance are taken as given instead.
 Plan assemble(const PlanInput& in, PolicyKind kind, const Layout& layout,
               const std::vector<int64_t>& quota_E, const RankBytes& bytes, bool bounded,
-              int64_t target_rows = 0);
+              int64_t target_rows = 0, const std::vector<int64_t>* retained_I = nullptr);
 
 // "1.234 GiB (1325000000 bytes)"
 std::string format_bytes(int64_t bytes);

@@ -14,6 +14,8 @@
 //      load does not need is never placed: replicas come only after the cut.
 //   4. Capacity-aware routing (route.h) spreads each expert's Q_e over its instances
 //      within every rank's remaining backward rows.
+//   5. With `joint`, joint.h refines the result on one objective (max rank time of
+//      forward + retained rows + replica traffic, c as a budget on the rows dropped).
 //   With balance_slack >= 0 the steps 3-4 also aim at (1 + slack) x the mean retained
 //   rows per rank, as if it were a row capacity (but missing it is not infeasible):
 //   with the slots the hard limits left, the hot ranks' experts are replicated. The target never cuts demand (step 2 sees
@@ -30,6 +32,7 @@
 #include <numeric>
 
 #include "planner/common.h"
+#include "planner/joint.h"
 #include "planner/policies.h"
 
 namespace lrmoe {
@@ -251,6 +254,8 @@ class LRMoEPolicy final : public Policy {
     for (int32_t r = 0; r < W; ++r) bytes.replica_W[r] = reps_W[r] * copy;
     Plan p = detail::assemble(in, kind(), detail::fixed_layout(in, n_E, replicas), Q, bytes,
                               true, target_rows);
+    // 5. (joint) one objective over cuts and replicas from this start (joint.h)
+    if (in.joint) p = detail::joint_refine(in, p, floor_E);
     if (!p.feasible) {  // why lrmoe could not fix it (built only here: formatting is slow)
       if (slots_bind)
         p.reason += "; replica_slots: ranks with room had no free slot (replica_slots=" +

@@ -57,6 +57,11 @@ struct PlanInput {
   // demand and never makes a plan infeasible
   double balance_slack = -1.0;
   int64_t min_replica_rows = 1;      // ultraep u_min: fewest rows worth a replica
+  // lrmoe: true refines the sequential plan (cut, then replicas) by local search on one
+  // objective, max_r t_r with t_r = forward rows + retained rows + replica_cost_rows x
+  // replicas placed on r, with c as a budget on the total rows dropped (joint.h)
+  bool joint = false;
+  int64_t replica_cost_rows = 0;     // kappa >= 0: one replica's traffic in row-times
 };
 
 // Per-rank bytes of the layer's experts and token buffers, against limit = B - resident.

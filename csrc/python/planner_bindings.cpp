@@ -86,6 +86,10 @@ void bind_planner(py::module_ m) {
       .field("balance_slack", &PlanInput::balance_slack,
              "lrmoe's balance target (1 + this) x the mean retained rows (< 0: off)")
       .field("min_replica_rows", &PlanInput::min_replica_rows, "ultraep u_min")
+      .field("joint", &PlanInput::joint,
+             "lrmoe: refine on one objective over cuts and replicas (planner/joint.h)")
+      .field("replica_cost_rows", &PlanInput::replica_cost_rows,
+             "kappa >= 0: one replica's traffic in row-times (joint objective)")
       .done();
 
   Struct<MemoryBreakdown>(m, "MemoryBreakdown", "Per-rank bytes of a layer (planner/plan.h).")

@@ -217,7 +217,8 @@ def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 
          quota_rule: str = "proportional", replica_slots: int = 2, symi_slots: int = 0,
          previous_load_E=None, max_expert_cut: float = 0.5, backward_row_capacity: int = 0,
          min_replica_rows: int = 1,
-         balance_slack: Optional[float] = DEFAULT_BALANCE_SLACK) -> Plan:
+         balance_slack: Optional[float] = DEFAULT_BALANCE_SLACK, *, joint: bool = False,
+         replica_cost_rows: int = 0) -> Plan:
     """Plan one layer's placement with ``policy`` (csrc/planner; docs/planner.md).
 
     Args:
@@ -239,6 +240,11 @@ def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 
             rank, with replicas (the target never cuts demand); a target, never a reason
             to be infeasible. Default :data:`DEFAULT_BALANCE_SLACK` (0); None: memory
             (and row capacity) only.
+        joint: lrmoe only: refine the plan by local search on one objective, the max rank
+            time t_r = forward rows + retained rows + ``replica_cost_rows`` x replicas on
+            r, with c as a budget on the rows dropped in total (csrc/planner/joint.h).
+        replica_cost_rows: kappa >= 0, one replica's weight and grad traffic expressed in
+            the time of computing one row (used by ``joint``).
 
     Returns:
         A :class:`Plan`; ``plan.feasible`` is False (with ``plan.reason``) when it cannot fit.
@@ -253,6 +259,15 @@ def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 
         raise ValueError(f"quota_rule must be one of {', '.join(QUOTA_RULES)}; got {quota_rule!r}")
     if balance_slack is not None and not balance_slack >= 0:
         raise ValueError(f"balance_slack must be >= 0 (or None: off), got {balance_slack}")
+    if not isinstance(joint, (bool, np.bool_)):
+        raise ValueError(f"joint must be True or False (--joint), got {joint!r}")
+    if isinstance(replica_cost_rows, bool) or not isinstance(replica_cost_rows, (int, np.integer)) \
+            or replica_cost_rows < 0:
+        raise ValueError(f"replica_cost_rows must be an int >= 0 (one replica's traffic in "
+                         f"row-times; --replica-cost-rows), got {replica_cost_rows!r}")
+    if joint and policy != "lrmoe":
+        raise ValueError(f"joint applies to policy lrmoe only, got policy {policy!r}; drop "
+                         f"joint or use policy lrmoe")
     load = np.asarray(load_WE)
     if load.ndim != 2:
         raise ValueError(f"load_WE must be 2-D (W ranks, E experts), got shape {tuple(load.shape)}")
@@ -260,6 +275,8 @@ def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 
     inp = plan_input(load.shape[0], load.shape[1], memory, recalibration_rate, quota_rule,
                      replica_slots, symi_slots, max_expert_cut, backward_row_capacity,
                      min_replica_rows, balance_slack)
+    inp.joint = bool(joint)
+    inp.replica_cost_rows = int(replica_cost_rows)
     inp.load_WE = _as_int64(load)
     if previous_load_E is not None:
         inp.previous_load_E = _as_int64(previous_load_E)

@@ -75,6 +75,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                           "only)")
     pol.add_argument("--min-replica-rows", type=int, default=1, metavar="U",
                      help="ultraep u_min: the fewest rows a replica carries")
+    pol.add_argument("--joint", action="store_true",
+                     help="lrmoe: refine on one objective, the max rank time of forward + "
+                          "retained rows + replica traffic, c as a budget (csrc/planner/joint.h)")
+    pol.add_argument("--replica-cost-rows", type=int, default=0, metavar="KAPPA",
+                     help="with --joint: one replica's weight and grad traffic in row-times "
+                          "(default 0)")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print JSON instead of the table")
     out.add_argument("--exact", action="store_true",
@@ -303,7 +309,9 @@ def run_plan(args: argparse.Namespace) -> int:
         plan = P.plan(load_WE, name, memory, args.recalibration_rate, args.quota_rule,
                       args.replica_slots, args.symi_slots, prev_E, args.max_expert_cut,
                       args.row_capacity, args.min_replica_rows,
-                      None if args.balance < 0 else args.balance)
+                      None if args.balance < 0 else args.balance,
+                      joint=args.joint and name == "lrmoe",
+                      replica_cost_rows=args.replica_cost_rows)
         plans.append(plan)
         rows.append(_summary(plan, load_WE))
     if args.exact:

@@ -73,7 +73,8 @@ def test_every_field_reads_back_what_was_written():
     values = dict(num_ranks=3, num_experts=6, load_WE=list(range(18)),
                   recalibration_rate=0.25, quota_rule="water_level", replica_slots=1,
                   symi_slots=4, previous_load_E=[5, 4, 3, 2, 1, 0], max_expert_cut=0.75,
-                  backward_row_capacity=99, balance_slack=0.125, min_replica_rows=7)
+                  backward_row_capacity=99, balance_slack=0.125, min_replica_rows=7,
+                  joint=True, replica_cost_rows=11)
     inp = B.PlanInput(**values, memory=B.MemoryModel(budget_bytes=1 << 40, resident_bytes=3,
                                                      optimizer_on_device=False))
     assert set(B.PlanInput._fields) == set(values) | {"memory"}
