@@ -82,6 +82,11 @@ def mean_spread(values: Iterable[float]) -> Tuple[float, float, int]:
     return statistics.fmean(v), (statistics.stdev(v) if len(v) > 1 else 0.0), len(v)
 
 
+def _check_confidence(confidence: float) -> None:
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+
+
 def t_critical(confidence: float, df: int) -> float:
     """The two-sided Student t critical value: ``t`` with ``P(|T| <= t) = confidence`` for
     ``df`` degrees of freedom.
@@ -93,8 +98,7 @@ def t_critical(confidence: float, df: int) -> float:
     Raises:
         ValueError: ``confidence`` outside (0, 1) or ``df < 1``.
     """
-    if not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    _check_confidence(confidence)
     if isinstance(df, bool) or not isinstance(df, int) or df < 1:
         raise ValueError(f"df must be an int >= 1, got {df!r}")
 
@@ -131,9 +135,9 @@ def mean_interval(values: Iterable[float], confidence: float = 0.95
     Raises:
         ValueError: ``confidence`` outside (0, 1).
     """
+    _check_confidence(confidence)
     m, sd, n = mean_spread(values)
     if n < 2:
-        t_critical(confidence, 1)  # the argument check
         return m, math.nan, math.nan, n
     half = t_critical(confidence, n - 1) * sd / math.sqrt(n)
     return m, m - half, m + half, n
