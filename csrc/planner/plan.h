@@ -62,6 +62,12 @@ struct PlanInput {
   // replicas placed on r, with c as a budget on the total rows dropped (joint.h)
   bool joint = false;
   int64_t replica_cost_rows = 0;     // kappa >= 0: one replica's traffic in row-times
+  // Topology: ranks r and j share a node (an NVLink domain) iff r / G == j / G, with G =
+  // gpus_per_node; 0 means G = W (one node), which reproduces the flat plans exactly.
+  // lrmoe (and its joint refinement) and ultraep place a replica on a rank of the
+  // owner's node when one can take rows, and the forward split of every policy fills a
+  // source's own-node instances before remote ones (docs/planner.md, "Topology").
+  int32_t gpus_per_node = 0;
 };
 
 // Per-rank bytes of the layer's experts and token buffers, against limit = B - resident.

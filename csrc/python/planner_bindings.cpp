@@ -90,6 +90,9 @@ void bind_planner(py::module_ m) {
              "lrmoe: refine on one objective over cuts and replicas (planner/joint.h)")
       .field("replica_cost_rows", &PlanInput::replica_cost_rows,
              "kappa >= 0: one replica's traffic in row-times (joint objective)")
+      .field("gpus_per_node", &PlanInput::gpus_per_node,
+             "G ranks per node (NVLink domain), node(r) = r / G; 0: one node of all W")
+
       .done();
 
   Struct<MemoryBreakdown>(m, "MemoryBreakdown", "Per-rank bytes of a layer (planner/plan.h).")
@@ -128,6 +131,7 @@ void bind_planner(py::module_ m) {
       .field("backward_bound", &Plan::backward_bound,
              "rows: lower bound on the max retained rows per rank of every plan with this "
              "plan's quotas (demand quota_E)")
+
       .def("num_instances", &Plan::num_instances, "I")
       .def("max_forward_rows", &Plan::max_forward_rows, "max forward rows per rank")
       .def("max_backward_rows", &Plan::max_backward_rows, "max retained rows per rank")

@@ -218,7 +218,7 @@ def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 
          previous_load_E=None, max_expert_cut: float = 0.5, backward_row_capacity: int = 0,
          min_replica_rows: int = 1,
          balance_slack: Optional[float] = DEFAULT_BALANCE_SLACK, *, joint: bool = False,
-         replica_cost_rows: int = 0) -> Plan:
+         replica_cost_rows: int = 0, gpus_per_node: Optional[int] = None) -> Plan:
     """Plan one layer's placement with ``policy`` (csrc/planner; docs/planner.md).
 
     Args:
@@ -245,6 +245,10 @@ def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 
             r, with c as a budget on the rows dropped in total (csrc/planner/joint.h).
         replica_cost_rows: kappa >= 0, one replica's weight and grad traffic expressed in
             the time of computing one row (used by ``joint``).
+        gpus_per_node: G ranks per node (NVLink domain), node(r) = r // G; None: W (one
+            node, the flat plans exactly). ultraep and lrmoe place replicas on the owner's
+            node first and every forward split fills a source's own-node instances before
+            remote ones (docs/planner.md, "Topology"). Must be in [1, W].
 
     Returns:
         A :class:`Plan`; ``plan.feasible`` is False (with ``plan.reason``) when it cannot fit.
@@ -271,12 +275,18 @@ def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 
     load = np.asarray(load_WE)
     if load.ndim != 2:
         raise ValueError(f"load_WE must be 2-D (W ranks, E experts), got shape {tuple(load.shape)}")
+    if gpus_per_node is not None and (
+            isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, (int, np.integer))
+            or not 1 <= gpus_per_node <= load.shape[0]):
+        raise ValueError(f"gpus_per_node must be an int in [1, W={load.shape[0]}] (ranks per "
+                         f"node; None: one node; --gpus-per-node), got {gpus_per_node!r}")
     check_slots(replica_slots, symi_slots, load.shape[1])
     inp = plan_input(load.shape[0], load.shape[1], memory, recalibration_rate, quota_rule,
                      replica_slots, symi_slots, max_expert_cut, backward_row_capacity,
                      min_replica_rows, balance_slack)
     inp.joint = bool(joint)
     inp.replica_cost_rows = int(replica_cost_rows)
+    inp.gpus_per_node = 0 if gpus_per_node is None else int(gpus_per_node)
     inp.load_WE = _as_int64(load)
     if previous_load_E is not None:
         inp.previous_load_E = _as_int64(previous_load_E)
