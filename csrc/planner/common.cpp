@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "planner/bound.h"
+#include "planner/hysteresis.h"
 #include "planner/route.h"
 
 namespace lrmoe {
@@ -331,7 +332,11 @@ const char* policy_name(PolicyKind kind) {
 }
 
 Plan make_plan(const std::string& policy, const PlanInput& input) {
-  return make_policy(policy)->plan(input);
+  Plan fresh = make_policy(policy)->plan(input);
+  if (input.previous_instance_offsets.empty() && input.previous_instance_rank.empty() &&
+      input.previous_instance_rows.empty())
+    return fresh;
+  return detail::with_hysteresis(input, std::move(fresh));
 }
 
 }  // namespace planner

@@ -62,3 +62,24 @@ def test_cli_gpus_per_node(capsys):
     assert node and flat
     assert cli.main(args + ["--gpus-per-node", "-1"]) == cli.EXIT_USAGE
     assert "gpus_per_node" in capsys.readouterr().err
+
+
+def test_hysteresis_keeps_or_replans():
+    # the hand case of tests/cpp/test_hysteresis.cpp: n = [6, 2], target 4; fresh T = 8,
+    # the previous placement (no replica) kept T = 12
+    mem = P.MemoryModel(expert_weight_bytes=7, expert_grad_bytes=0, expert_optimizer_bytes=0,
+                        forward_row_bytes=1, backward_row_bytes=1, budget_bytes=1 << 30,
+                        resident_bytes=0)
+    load = [[6, 0], [0, 2]]
+    prev = P.plan([[3, 0], [0, 5]], "lrmoe", mem, replica_slots=1, balance_slack=None)
+    assert prev.replicas == 0
+    kept = P.plan(load, "lrmoe", mem, replica_slots=1, previous_plan=prev, replan_threshold=0.5)
+    assert kept.kept_previous and kept.replicas == 0 and kept.moved_bytes == 0
+    fresh = P.plan(load, "lrmoe", mem, replica_slots=1, previous_plan=prev, replan_threshold=0.3)
+    assert not fresh.kept_previous
+    assert (fresh.forward_rows_W + fresh.backward_rows_W).max().item() == 8
+    assert fresh.moved_replicas == 1 and fresh.moved_bytes == 7
+    with pytest.raises(ValueError, match="replan_threshold"):
+        P.plan(load, "lrmoe", mem, previous_plan=prev, replan_threshold=1.0)
+    with pytest.raises(ValueError, match="previous_plan must be a Plan of policy"):
+        P.plan(load, "ultraep", mem, previous_plan=prev)
