@@ -178,7 +178,8 @@ Plan assemble(const PlanInput& in, PolicyKind kind, const Layout& lay,
       n_E[e] += L_W[s];
     }
     split_forward(L_W.data(), W, lay.rank.data() + off, lay.rows.data() + off, n,
-                  p.forward_IW.data() + static_cast<int64_t>(off) * W, node_size(in));
+                  p.forward_IW.data() + static_cast<int64_t>(off) * W, node_size(in),
+                  in.spare_capacity_split);
     if (E % W == 0) p.fixed_rows_W[fixed_owner(e, E, W)] += n_E[e];
     for (int32_t i = off; i < off + n; ++i) p.forward_rows_W[lay.rank[i]] += lay.rows[i];
   }

@@ -78,6 +78,14 @@ struct PlanInput {
   std::vector<int32_t> previous_instance_rank;
   std::vector<int64_t> previous_instance_rows;
   double replan_threshold = 0.0;     // in [0, 1): 0 replans whenever strictly better
+  // ultraep: after the bisection, refinement passes (ultraep_refine.h) lower the max
+  // rank load by local moves of rows between instances (off by default: the plans of
+  // docs/planner.md's tables are without them)
+  bool ultraep_refine = false;
+  // every policy: the forward rows left after the own-rank (and own-node) passes are
+  // dealt to the instances in proportion to their remaining capacity, source by source
+  // (largest remainder; UltraEP's rule, ../shared/policies.md), instead of north-west
+  bool spare_capacity_split = false;
 };
 
 // Per-rank bytes of the layer's experts and token buffers, against limit = B - resident.

@@ -19,6 +19,7 @@
 
 #include "planner/common.h"
 #include "planner/policies.h"
+#include "planner/ultraep_refine.h"
 
 namespace lrmoe {
 namespace planner {
@@ -64,6 +65,7 @@ class UltraEPPolicy final : public Policy {
       }
     }
     // never accepted below the max load: tau* = max load, which needs no replica
+    if (in.ultraep_refine) detail::ultraep_refine(in, n_E, &best);
 
     const detail::Layout lay = detail::fixed_layout(in, n_E, best);
     const MemoryModel& m = in.memory;

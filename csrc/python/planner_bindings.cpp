@@ -100,7 +100,10 @@ void bind_planner(py::module_ m) {
              "(I,) int64 forward rows of each previous instance")
       .field("replan_threshold", &PlanInput::replan_threshold,
              "in [0, 1): replan only when the max rank time drops by more than this fraction")
-
+      .field("ultraep_refine", &PlanInput::ultraep_refine,
+             "ultraep: refinement passes after the bisection (planner/ultraep_refine.h)")
+      .field("spare_capacity_split", &PlanInput::spare_capacity_split,
+             "forward rows beyond own rank/node dealt in proportion to spare capacity")
       .done();
 
   Struct<MemoryBreakdown>(m, "MemoryBreakdown", "Per-rank bytes of a layer (planner/plan.h).")

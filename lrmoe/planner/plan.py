@@ -226,7 +226,8 @@ def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 
          min_replica_rows: int = 1,
          balance_slack: Optional[float] = DEFAULT_BALANCE_SLACK, *, joint: bool = False,
          replica_cost_rows: int = 0, gpus_per_node: Optional[int] = None,
-         previous_plan: Optional["Plan"] = None, replan_threshold: float = 0.0) -> Plan:
+         previous_plan: Optional["Plan"] = None, replan_threshold: float = 0.0,
+         ultraep_refine: bool = False, spare_capacity_split: bool = False) -> Plan:
     """Plan one layer's placement with ``policy`` (csrc/planner; docs/planner.md).
 
     Args:
@@ -263,6 +264,11 @@ def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 
             than ``replan_threshold`` x the kept one's (docs/planner.md, "Hysteresis").
             fixed, ultraep and lrmoe only.
         replan_threshold: in [0, 1), used with ``previous_plan``.
+        ultraep_refine: ultraep only: refinement passes after the bisection, local moves
+            of rows that lower the max rank load (csrc/planner/ultraep_refine.h).
+        spare_capacity_split: the forward rows beyond a source's own rank (and node) are
+            dealt in proportion to the instances' remaining capacity (UltraEP's split)
+            instead of north-west; the rows per instance are unchanged.
 
     Returns:
         A :class:`Plan`; ``plan.feasible`` is False (with ``plan.reason``) when it cannot fit.
@@ -305,6 +311,8 @@ def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 
         raise ValueError(f"replan_threshold must be in [0, 1) (the fraction of the kept "
                          f"plan's max rank time a new plan must save), got {replan_threshold!r}")
     inp.replan_threshold = float(replan_threshold)
+    inp.ultraep_refine = bool(ultraep_refine)
+    inp.spare_capacity_split = bool(spare_capacity_split)
     if previous_plan is not None:
         if not isinstance(previous_plan, Plan) or previous_plan.policy != policy:
             raise ValueError(f"previous_plan must be a Plan of policy {policy!r} (from "
