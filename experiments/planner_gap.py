@@ -32,7 +32,7 @@ from lrmoe.workload.loads import synthetic_loads, trace_loads
 POLICIES = (("fixed", "fixed", 0.0, False), ("ultraep", "ultraep", 0.0, False),
             ("symi", "symi", 0.0, False), ("lrmoe c=0", "lrmoe", 0.0, False),
             ("lrmoe c=0.3", "lrmoe", 0.3, False), ("lrmoe joint c=0", "lrmoe", 0.0, True),
-            ("lrmoe joint c=0.3", "lrmoe", 0.3, True))
+            ("lrmoe joint c=0.3", "lrmoe", 0.3, True), ("ultraep refined", "ultraep", 0.0, False))
 MEMORY = P.MemoryModel(expert_weight_bytes=1, expert_grad_bytes=2, expert_optimizer_bytes=4,
                        forward_row_bytes=1, backward_row_bytes=1, budget_bytes=1 << 40,
                        resident_bytes=0)
@@ -63,7 +63,8 @@ def cell(W: int, E: int, skew: float, n: int, pairs: int, slots: int, max_nodes:
         unproven += not proven
         for name, policy, c, joint in POLICIES:
             p = P.plan(load, policy, MEMORY, recalibration_rate=c, replica_slots=slots,
-                       previous_load_E=prev.sum(axis=0), joint=joint)
+                       previous_load_E=prev.sum(axis=0), joint=joint,
+                       ultraep_refine=name == "ultraep refined")
             assert p.forward_bound <= opt <= p.max_forward_rows() or not proven, (name, seed)
             gaps[name].append(p.max_forward_rows() / opt - 1.0)
             if policy == "lrmoe" and c > 0:

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "planner/bound.h"
+#include "planner/hysteresis.h"
 #include "planner/route.h"
 
 namespace lrmoe {
@@ -83,6 +84,9 @@ void validate(const PlanInput& in, PolicyKind kind) {
   if (in.replica_cost_rows < 0)
     fail("replica_cost_rows must be >= 0 (one replica's weight and grad traffic in the time of "
          "computing one row; 0: replicas cost only their slot), got " + num(in.replica_cost_rows));
+  if (in.gpus_per_node < 0 || in.gpus_per_node > in.num_ranks)
+    fail("gpus_per_node must be in [0, num_ranks] (0: one node of all W=" + num(W) +
+         " ranks), got " + num(int64_t(in.gpus_per_node)));
   if (in.min_replica_rows < 1) fail("min_replica_rows must be >= 1, got " + num(in.min_replica_rows));
   if (!in.previous_load_E.empty()) {
     if (static_cast<int64_t>(in.previous_load_E.size()) != E)
@@ -174,7 +178,8 @@ Plan assemble(const PlanInput& in, PolicyKind kind, const Layout& lay,
       n_E[e] += L_W[s];
     }
     split_forward(L_W.data(), W, lay.rank.data() + off, lay.rows.data() + off, n,
-                  p.forward_IW.data() + static_cast<int64_t>(off) * W);
+                  p.forward_IW.data() + static_cast<int64_t>(off) * W, node_size(in),
+                  in.spare_capacity_split);
     if (E % W == 0) p.fixed_rows_W[fixed_owner(e, E, W)] += n_E[e];
     for (int32_t i = off; i < off + n; ++i) p.forward_rows_W[lay.rank[i]] += lay.rows[i];
   }
@@ -328,7 +333,11 @@ const char* policy_name(PolicyKind kind) {
 }
 
 Plan make_plan(const std::string& policy, const PlanInput& input) {
-  return make_policy(policy)->plan(input);
+  Plan fresh = make_policy(policy)->plan(input);
+  if (input.previous_instance_offsets.empty() && input.previous_instance_rank.empty() &&
+      input.previous_instance_rows.empty())
+    return fresh;
+  return detail::with_hysteresis(input, std::move(fresh));
 }
 
 }  // namespace planner

@@ -21,6 +21,11 @@ void validate(const PlanInput& in, PolicyKind kind);
 // n_E = sum_s L_WE.
 std::vector<int64_t> expert_loads(const PlanInput& in);
 
+// G of PlanInput::gpus_per_node (0 there: W, one node); node(r) = r / G.
+inline int32_t node_size(const PlanInput& in) {
+  return in.gpus_per_node > 0 && in.gpus_per_node < in.num_ranks ? in.gpus_per_node : in.num_ranks;
+}
+
 // Megatron-LM fixed ownership: owner(e) = e / (E / W) (E a multiple of W).
 inline int32_t fixed_owner(int32_t e, int32_t E, int32_t W) { return e / (E / W); }
 

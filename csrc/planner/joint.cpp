@@ -23,11 +23,17 @@ struct Inst {
 struct Move {
   int64_t value = kUnbounded;
   bool fresh = false;      // a new replica on j
+  bool far = false;        // j is on another node than the bottleneck (gpus_per_node)
   bool cut = false;        // a cut moved from (e, i) to (e2, k)
   int32_t e = -1, i = -1, j = -1, e2 = -1, k = -1;
   int64_t df = 0, db = 0;
   // fewer new replicas first at equal value: they cost a slot for nothing
-  bool better(const Move& o) const { return value != o.value ? value < o.value : (!fresh && o.fresh); }
+  // then moves inside the bottleneck's node (NVLink) before moves over the network
+  bool better(const Move& o) const {
+    if (value != o.value) return value < o.value;
+    if (fresh != o.fresh) return !fresh;
+    return !far && o.far;
+  }
 };
 
 }  // namespace
@@ -47,6 +53,7 @@ namespace detail {
 
 Plan joint_refine(const PlanInput& in, const Plan& start, const std::vector<int64_t>& floor_E) {
   const int32_t W = in.num_ranks, E = in.num_experts, per = E / W;
+  const int32_t G = node_size(in);  // node(r) = r / G
   const MemoryModel& m = in.memory;
   const int64_t copy = m.expert_weight_bytes + m.expert_grad_bytes;
   const int64_t base = (copy + (m.optimizer_on_device ? m.expert_optimizer_bytes : 0)) * per;
@@ -138,6 +145,7 @@ Plan joint_refine(const PlanInput& in, const Plan& start, const std::vector<int6
         Move mv;
         mv.value = std::max(T - x, T - gap + x);
         mv.fresh = fresh;
+        mv.far = j / G != rs / G;
         mv.e = e; mv.i = i; mv.j = j; mv.k = k; mv.df = df; mv.db = db;
         if (mv.better(best)) best = mv;
       }
@@ -157,6 +165,7 @@ Plan joint_refine(const PlanInput& in, const Plan& start, const std::vector<int6
           Move mv;
           mv.value = std::max(T - d, T - gap + d);
           mv.cut = true;
+          mv.far = c.rank / G != rs / G;
           mv.e = e; mv.i = i; mv.j = c.rank; mv.e2 = e2; mv.k = k; mv.db = d;
           if (mv.better(best)) best = mv;
         }

@@ -93,6 +93,7 @@ class LRMoEPolicy final : public Policy {
   Plan plan(const PlanInput& in) const override {
     detail::validate(in, kind());
     const int32_t W = in.num_ranks, E = in.num_experts, per = E / W;
+    const int32_t G = detail::node_size(in);  // node(r) = r / G
     const MemoryModel& m = in.memory;
     const std::vector<int64_t> n_E = detail::expert_loads(in);
     std::vector<int64_t> Q(static_cast<size_t>(E));
@@ -212,8 +213,10 @@ class LRMoEPolicy final : public Policy {
             if (over == 0 && over_rows == 0) break;
             const int64_t need = fwd_rows_for(over, over_rows, true);
             if (need <= 0) break;  // nothing this expert's rows can shed (no retained share)
-            int32_t t = -1;
-            int64_t t_rows = 0;
+            // the rank with the most room, on r's node if one there can take rows
+            // (replicas inside the NVLink domain first: PlanInput::gpus_per_node)
+            int32_t t = -1, t_far = -1;
+            int64_t t_rows = 0, t_far_rows = 0;
             bool slot_short = false;
             for (int32_t j = 0; j < W; ++j) {
               if (j == r) continue;
@@ -226,8 +229,13 @@ class LRMoEPolicy final : public Policy {
               const int64_t rows = fwd_rows_for(left, room, false);
               if (rows <= 0) continue;
               if (reps_W[j] >= in.replica_slots) { slot_short = true; continue; }
-              if (rows > t_rows) { t = j; t_rows = rows; }
+              if (j / G != r / G) {
+                if (rows > t_far_rows) { t_far = j; t_far_rows = rows; }
+              } else if (rows > t_rows) {
+                t = j; t_rows = rows;
+              }
             }
+            if (t < 0) { t = t_far; t_rows = t_far_rows; }
             if (t < 0) {
               // only a hard limit missed makes slots the binding constraint
               slots_bind = slots_bind || (slot_short && cap == hard_rows);

@@ -62,6 +62,30 @@ struct PlanInput {
   // replicas placed on r, with c as a budget on the total rows dropped (joint.h)
   bool joint = false;
   int64_t replica_cost_rows = 0;     // kappa >= 0: one replica's traffic in row-times
+  // Topology: ranks r and j share a node (an NVLink domain) iff r / G == j / G, with G =
+  // gpus_per_node; 0 means G = W (one node), which reproduces the flat plans exactly.
+  // lrmoe (and its joint refinement) and ultraep place a replica on a rank of the
+  // owner's node when one can take rows, and the forward split of every policy fills a
+  // source's own-node instances before remote ones (docs/planner.md, "Topology").
+  int32_t gpus_per_node = 0;
+  // Hysteresis (hysteresis.h; docs/planner.md, "Hysteresis"): the previous plan's
+  // placement, instance_offsets (E + 1) and instance_rank (I) as in Plan, and the forward
+  // rows of each of its instances (I); empty: none. make_plan keeps that placement (its
+  // instances, their rows re-split in proportion to these) unless the new plan's max
+  // rank time is lower by more than replan_threshold x the kept plan's. fixed, ultraep
+  // and lrmoe only (symi's slots move every step by design).
+  std::vector<int32_t> previous_instance_offsets;
+  std::vector<int32_t> previous_instance_rank;
+  std::vector<int64_t> previous_instance_rows;
+  double replan_threshold = 0.0;     // in [0, 1): 0 replans whenever strictly better
+  // ultraep: after the bisection, refinement passes (ultraep_refine.h) lower the max
+  // rank load by local moves of rows between instances (off by default: the plans of
+  // docs/planner.md's tables are without them)
+  bool ultraep_refine = false;
+  // every policy: the forward rows left after the own-rank (and own-node) passes are
+  // dealt to the instances in proportion to their remaining capacity, source by source
+  // (largest remainder; UltraEP's rule, ../shared/policies.md), instead of north-west
+  bool spare_capacity_split = false;
 };
 
 // Per-rank bytes of the layer's experts and token buffers, against limit = B - resident.
@@ -114,6 +138,13 @@ struct Plan {
   // (bound.h spare_instances) and no memory: memory can only forbid plans.
   int64_t forward_bound = 0;
   int64_t backward_bound = 0;
+  // Hysteresis (set only when PlanInput has a previous placement): whether the previous
+  // placement was kept, the replicas of this plan absent from it (expert, rank pairs),
+  // and the weight bytes that placing them copies (moved_replicas x expert_weight_bytes;
+  // a replica's grad buffer is zeroed in place, not transferred).
+  bool kept_previous = false;
+  int32_t moved_replicas = 0;
+  int64_t moved_bytes = 0;
 
   int64_t max_forward_rows() const;       // max_r forward_rows_W[r] (0 when W = 0)
   int64_t max_backward_rows() const;      // max_r backward_rows_W[r]
@@ -137,7 +168,8 @@ std::unique_ptr<Policy> make_policy(const std::string& name);
 PolicyKind policy_kind(const std::string& name);
 const char* policy_name(PolicyKind kind);
 
-// Plan with the named policy (make_policy(name)->plan(input)).
+// Plan with the named policy (make_policy(name)->plan(input)), then, when the input has
+// a previous placement, the hysteresis rule of hysteresis.h.
 Plan make_plan(const std::string& policy, const PlanInput& input);
 
 }  // namespace planner

@@ -66,7 +66,8 @@ void largest_remainder(int64_t total, const int64_t* w, int32_t n, int64_t* out)
 }
 
 void split_forward(const int64_t* L_W, int32_t W, const int32_t* rank_n,
-                   const int64_t* quota_n, int32_t n, int64_t* F_nW) {
+                   const int64_t* quota_n, int32_t n, int64_t* F_nW,
+                   int32_t gpus_per_node, bool spare) {
   thread_local std::vector<int64_t> left_W, need_n;
   left_W.assign(L_W, L_W + W);
   need_n.assign(quota_n, quota_n + n);
@@ -77,6 +78,30 @@ void split_forward(const int64_t* L_W, int32_t W, const int32_t* rank_n,
     F_nW[static_cast<int64_t>(i) * W + s] += take;
     left_W[s] -= take;
     need_n[i] -= take;
+  }
+  if (gpus_per_node > 0 && gpus_per_node < W && n > 1) {  // same node before the network
+    for (int32_t s = 0; s < W; ++s)
+      for (int32_t i = 0; i < n && left_W[s] > 0; ++i) {
+        if (rank_n[i] / gpus_per_node != s / gpus_per_node) continue;
+        const int64_t take = std::min(left_W[s], need_n[i]);
+        F_nW[static_cast<int64_t>(i) * W + s] += take;
+        left_W[s] -= take;
+        need_n[i] -= take;
+      }
+  }
+  if (spare && n > 1) {
+    thread_local std::vector<int64_t> add_n;
+    add_n.resize(static_cast<size_t>(n));
+    for (int32_t s = 0; s < W; ++s) {
+      if (left_W[s] == 0) continue;
+      largest_remainder(left_W[s], need_n.data(), n, add_n.data());
+      for (int32_t k = 0; k < n; ++k) {
+        F_nW[static_cast<int64_t>(k) * W + s] += add_n[k];
+        need_n[k] -= add_n[k];
+      }
+      left_W[s] = 0;
+    }
+    return;
   }
   int32_t i = 0;
   for (int32_t s = 0; s < W; ++s) {

@@ -26,10 +26,19 @@ void largest_remainder(int64_t total, const int64_t* w, int32_t n, int64_t* out)
 
 // Forward split of one expert: instance i (on rank rank_n[i]) computes quota_n[i]
 // rows (sum = sum(L_W)). Locality first: source s fills the instance on its own
-// rank, then the rest are dealt in source order to the instances in order
-// (north-west corner), so the split is exact and deterministic.
+// rank; then, with nodes of gpus_per_node ranks (node(r) = r / gpus_per_node), each
+// source in order fills the instances of its own node in instance order (NVLink
+// before the network); the rest are dealt in source order to the instances in order
+// (north-west corner), so the split is exact and deterministic. gpus_per_node >= W
+// (one node) skips the node pass: it would deal exactly what the north-west corner
+// deals, so the split equals the flat one. spare: the rest is dealt instead source by
+// source in proportion to the instances' remaining capacity (largest remainder of the
+// source's rows over quota - rows taken so far; UltraEP's split, ../shared/policies.md):
+// each source's share never exceeds what is left (sum of the capacities >= its rows),
+// and the last source fills them exactly.
 void split_forward(const int64_t* L_W, int32_t W, const int32_t* rank_n,
-                   const int64_t* quota_n, int32_t n, int64_t* F_nW);
+                   const int64_t* quota_n, int32_t n, int64_t* F_nW,
+                   int32_t gpus_per_node = 0, bool spare = false);
 
 // Backward rows per instance: b_n[i] <= min(f_n[i], room_n[i]) with sum(b) = quota,
 // proportional to f where the rooms allow (largest remainder), the rows over a room

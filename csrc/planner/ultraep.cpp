@@ -19,6 +19,7 @@
 
 #include "planner/common.h"
 #include "planner/policies.h"
+#include "planner/ultraep_refine.h"
 
 namespace lrmoe {
 namespace planner {
@@ -64,6 +65,7 @@ class UltraEPPolicy final : public Policy {
       }
     }
     // never accepted below the max load: tau* = max load, which needs no replica
+    if (in.ultraep_refine) detail::ultraep_refine(in, n_E, &best);
 
     const detail::Layout lay = detail::fixed_layout(in, n_E, best);
     const MemoryModel& m = in.memory;
@@ -80,6 +82,7 @@ class UltraEPPolicy final : public Policy {
               const std::vector<int64_t>& load_W, const std::vector<int32_t>& ranks,
               const std::vector<int32_t>& experts, std::vector<Export>* out) const {
     const int32_t W = in.num_ranks, E = in.num_experts, per = E / W;
+    const int32_t G = detail::node_size(in);  // node(r) = r / G
     out->clear();
     std::vector<int64_t> excess(static_cast<size_t>(W)), slack(static_cast<size_t>(W));
     std::vector<int32_t> free_slots(static_cast<size_t>(W), in.replica_slots);
@@ -104,12 +107,15 @@ class UltraEPPolicy final : public Policy {
         int64_t avail = n_E[e] - 1;  // the owner keeps at least one row
         hosts.assign(1, r);
         while (excess[r] > 0 && avail > 0) {
-          int32_t t = -1;
+          // the most slack on r's node first (UltraEP keeps replicas inside the NVLink
+          // domain: ../shared/policies.md), else anywhere
+          int32_t t = -1, t_far = -1;
           for (const auto& cand : open) {
             if (std::find(hosts.begin(), hosts.end(), cand.second) != hosts.end()) continue;
-            t = cand.second;
-            break;
+            if (cand.second / G == r / G) { t = cand.second; break; }
+            if (t_far < 0) t_far = cand.second;
           }
+          if (t < 0) t = t_far;
           if (t < 0) break;
           const int64_t q = std::min({excess[r], slack[t], avail});
           if (q < in.min_replica_rows) break;  // a replica carries at least u_min rows

@@ -90,6 +90,20 @@ void bind_planner(py::module_ m) {
              "lrmoe: refine on one objective over cuts and replicas (planner/joint.h)")
       .field("replica_cost_rows", &PlanInput::replica_cost_rows,
              "kappa >= 0: one replica's traffic in row-times (joint objective)")
+      .field("gpus_per_node", &PlanInput::gpus_per_node,
+             "G ranks per node (NVLink domain), node(r) = r / G; 0: one node of all W")
+      .field("previous_instance_offsets", &PlanInput::previous_instance_offsets,
+             "(E + 1,) int32 the previous plan's instance_offsets (empty: no hysteresis)")
+      .field("previous_instance_rank", &PlanInput::previous_instance_rank,
+             "(I,) int32 the previous plan's instance_rank")
+      .field("previous_instance_rows", &PlanInput::previous_instance_rows,
+             "(I,) int64 forward rows of each previous instance")
+      .field("replan_threshold", &PlanInput::replan_threshold,
+             "in [0, 1): replan only when the max rank time drops by more than this fraction")
+      .field("ultraep_refine", &PlanInput::ultraep_refine,
+             "ultraep: refinement passes after the bisection (planner/ultraep_refine.h)")
+      .field("spare_capacity_split", &PlanInput::spare_capacity_split,
+             "forward rows beyond own rank/node dealt in proportion to spare capacity")
       .done();
 
   Struct<MemoryBreakdown>(m, "MemoryBreakdown", "Per-rank bytes of a layer (planner/plan.h).")
@@ -128,6 +142,9 @@ void bind_planner(py::module_ m) {
       .field("backward_bound", &Plan::backward_bound,
              "rows: lower bound on the max retained rows per rank of every plan with this "
              "plan's quotas (demand quota_E)")
+      .field("kept_previous", &Plan::kept_previous, "hysteresis kept the previous placement")
+      .field("moved_replicas", &Plan::moved_replicas, "replicas absent from the previous plan")
+      .field("moved_bytes", &Plan::moved_bytes, "moved_replicas x expert_weight_bytes")
       .def("num_instances", &Plan::num_instances, "I")
       .def("max_forward_rows", &Plan::max_forward_rows, "max forward rows per rank")
       .def("max_backward_rows", &Plan::max_backward_rows, "max retained rows per rank")

@@ -149,6 +149,10 @@ class Plan:
         backward_bound: rows, a lower bound on the max retained rows per rank of every
             plan that keeps this plan's quotas (``quota_E``; = ``forward_bound`` for the
             baselines, which keep every pair).
+        kept_previous: with ``previous_plan``: the previous placement was kept
+            (hysteresis; csrc/planner/hysteresis.h).
+        moved_replicas: with ``previous_plan``: replicas of this plan absent from it.
+        moved_bytes: ``moved_replicas`` x expert_weight_bytes, the weights copied.
     """
 
     policy: str
@@ -170,6 +174,9 @@ class Plan:
     reason: str
     forward_bound: int = 0
     backward_bound: int = 0
+    kept_previous: bool = False
+    moved_replicas: int = 0
+    moved_bytes: int = 0
 
     def max_forward_rows(self) -> int:
         """The objective the forward bound bounds: max rows a rank computes forward."""
@@ -218,7 +225,9 @@ def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 
          previous_load_E=None, max_expert_cut: float = 0.5, backward_row_capacity: int = 0,
          min_replica_rows: int = 1,
          balance_slack: Optional[float] = DEFAULT_BALANCE_SLACK, *, joint: bool = False,
-         replica_cost_rows: int = 0) -> Plan:
+         replica_cost_rows: int = 0, gpus_per_node: Optional[int] = None,
+         previous_plan: Optional["Plan"] = None, replan_threshold: float = 0.0,
+         ultraep_refine: bool = False, spare_capacity_split: bool = False) -> Plan:
     """Plan one layer's placement with ``policy`` (csrc/planner; docs/planner.md).
 
     Args:
@@ -245,6 +254,21 @@ def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 
             r, with c as a budget on the rows dropped in total (csrc/planner/joint.h).
         replica_cost_rows: kappa >= 0, one replica's weight and grad traffic expressed in
             the time of computing one row (used by ``joint``).
+        gpus_per_node: G ranks per node (NVLink domain), node(r) = r // G; None: W (one
+            node, the flat plans exactly). ultraep and lrmoe place replicas on the owner's
+            node first and every forward split fills a source's own-node instances before
+            remote ones (docs/planner.md, "Topology"). Must be in [1, W].
+        previous_plan: the previous micro-batch's (or layer's) :class:`Plan` of the same
+            policy and W, E: its placement is kept, its rows re-split in proportion to its
+            instances' forward rows, unless this plan's max rank time is lower by more
+            than ``replan_threshold`` x the kept one's (docs/planner.md, "Hysteresis").
+            fixed, ultraep and lrmoe only.
+        replan_threshold: in [0, 1), used with ``previous_plan``.
+        ultraep_refine: ultraep only: refinement passes after the bisection, local moves
+            of rows that lower the max rank load (csrc/planner/ultraep_refine.h).
+        spare_capacity_split: the forward rows beyond a source's own rank (and node) are
+            dealt in proportion to the instances' remaining capacity (UltraEP's split)
+            instead of north-west; the rows per instance are unchanged.
 
     Returns:
         A :class:`Plan`; ``plan.feasible`` is False (with ``plan.reason``) when it cannot fit.
@@ -271,12 +295,32 @@ def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 
     load = np.asarray(load_WE)
     if load.ndim != 2:
         raise ValueError(f"load_WE must be 2-D (W ranks, E experts), got shape {tuple(load.shape)}")
+    if gpus_per_node is not None and (
+            isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, (int, np.integer))
+            or not 1 <= gpus_per_node <= load.shape[0]):
+        raise ValueError(f"gpus_per_node must be an int in [1, W={load.shape[0]}] (ranks per "
+                         f"node; None: one node; --gpus-per-node), got {gpus_per_node!r}")
     check_slots(replica_slots, symi_slots, load.shape[1])
     inp = plan_input(load.shape[0], load.shape[1], memory, recalibration_rate, quota_rule,
                      replica_slots, symi_slots, max_expert_cut, backward_row_capacity,
                      min_replica_rows, balance_slack)
     inp.joint = bool(joint)
     inp.replica_cost_rows = int(replica_cost_rows)
+    inp.gpus_per_node = 0 if gpus_per_node is None else int(gpus_per_node)
+    if not 0.0 <= replan_threshold < 1.0:
+        raise ValueError(f"replan_threshold must be in [0, 1) (the fraction of the kept "
+                         f"plan's max rank time a new plan must save), got {replan_threshold!r}")
+    inp.replan_threshold = float(replan_threshold)
+    inp.ultraep_refine = bool(ultraep_refine)
+    inp.spare_capacity_split = bool(spare_capacity_split)
+    if previous_plan is not None:
+        if not isinstance(previous_plan, Plan) or previous_plan.policy != policy:
+            raise ValueError(f"previous_plan must be a Plan of policy {policy!r} (from "
+                             f"lrmoe.planner.plan.plan), got {type(previous_plan).__name__}"
+                             f" {getattr(previous_plan, 'policy', '')!r}")
+        inp.previous_instance_offsets = previous_plan.instance_offsets.numpy().astype(np.int32)
+        inp.previous_instance_rank = previous_plan.instance_rank.numpy().astype(np.int32)
+        inp.previous_instance_rows = previous_plan.forward_IW.sum(dim=1).numpy().astype(np.int64)
     inp.load_WE = _as_int64(load)
     if previous_load_E is not None:
         inp.previous_load_E = _as_int64(previous_load_E)
@@ -298,7 +342,9 @@ def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 
                 memory_W4=tensor(memory_W4, W, len(MEMORY_PARTS)), limit_bytes=p.limit_bytes,
                 replicas=p.replicas, feasible=p.feasible, binding=p.binding.name,
                 binding_rank=p.binding_rank, shortfall=p.shortfall, reason=p.reason,
-                forward_bound=p.forward_bound, backward_bound=p.backward_bound)
+                forward_bound=p.forward_bound, backward_bound=p.backward_bound,
+                kept_previous=p.kept_previous, moved_replicas=p.moved_replicas,
+                moved_bytes=p.moved_bytes)
 
 
 #: placement models of :func:`exact_optimum` (the binding's PlacementModel): ``owners``

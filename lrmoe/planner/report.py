@@ -81,6 +81,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     pol.add_argument("--replica-cost-rows", type=int, default=0, metavar="KAPPA",
                      help="with --joint: one replica's weight and grad traffic in row-times "
                           "(default 0)")
+    pol.add_argument("--gpus-per-node", type=int, default=0, metavar="G",
+                     help="ranks per node (NVLink domain): ultraep and lrmoe replicate on "
+                          "the owner's node first, forward splits prefer same-node "
+                          "instances (default 0: one node of all --ep ranks)")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print JSON instead of the table")
     out.add_argument("--exact", action="store_true",
@@ -311,7 +315,8 @@ def run_plan(args: argparse.Namespace) -> int:
                       args.row_capacity, args.min_replica_rows,
                       None if args.balance < 0 else args.balance,
                       joint=args.joint and name == "lrmoe",
-                      replica_cost_rows=args.replica_cost_rows)
+                      replica_cost_rows=args.replica_cost_rows,
+                      gpus_per_node=args.gpus_per_node or None)
         plans.append(plan)
         rows.append(_summary(plan, load_WE))
     if args.exact:

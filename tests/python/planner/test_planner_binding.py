@@ -74,14 +74,20 @@ def test_every_field_reads_back_what_was_written():
                   recalibration_rate=0.25, quota_rule="water_level", replica_slots=1,
                   symi_slots=4, previous_load_E=[5, 4, 3, 2, 1, 0], max_expert_cut=0.75,
                   backward_row_capacity=99, balance_slack=0.125, min_replica_rows=7,
-                  joint=True, replica_cost_rows=11)
+                  joint=True, replica_cost_rows=11, gpus_per_node=3,
+                  previous_instance_offsets=[0, 1, 2, 3, 4, 5, 6],
+                  previous_instance_rank=[0, 0, 1, 1, 2, 2],
+                  previous_instance_rows=[1, 2, 3, 4, 5, 6], replan_threshold=0.375,
+                  ultraep_refine=True, spare_capacity_split=True)
+    int32 = {"previous_instance_offsets", "previous_instance_rank"}
     inp = B.PlanInput(**values, memory=B.MemoryModel(budget_bytes=1 << 40, resident_bytes=3,
                                                      optimizer_on_device=False))
     assert set(B.PlanInput._fields) == set(values) | {"memory"}
     for k, v in values.items():
         got = getattr(inp, k)
         if isinstance(got, np.ndarray):
-            assert got.dtype == np.int64 and got.tolist() == v, k
+            assert got.dtype == (np.int32 if k in int32 else np.int64), k
+            assert got.tolist() == v, k
         elif k == "quota_rule":
             assert got == B.QuotaRule.water_level
         else:
