@@ -5,6 +5,8 @@
 // / retained rows, M_WW rows from rank s to rank d.
 #include "sim/sim.h"
 
+#include "sim/a2a.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -150,59 +152,11 @@ double gemm_ms(const std::vector<GemmPoint>& grid, double k, double rows, bool b
   return GemmTable(grid).ms(k, rows, backward);
 }
 
-namespace {
-
-// Per rank: rows (or bytes) sent and received over NVLink (same node) and the network.
-struct LinkSums {
-  std::vector<int64_t> intra_out, intra_in, inter_out, inter_in, self;
-  explicit LinkSums(int32_t W)
-      : intra_out(W, 0), intra_in(W, 0), inter_out(W, 0), inter_in(W, 0), self(W, 0) {}
-  void add(int32_t s, int32_t d, int64_t v, int32_t G) {
-    if (v == 0) return;
-    if (s == d) {  // rows to itself never touch a link: a device copy
-      self[s] += v;
-      return;
-    }
-    if (s / G == d / G) {
-      intra_out[s] += v; intra_in[d] += v;
-    } else {
-      inter_out[s] += v; inter_in[d] += v;
-    }
-  }
-};
-
-// The all-to-all time of `sums` (x row_bytes), or of its transpose (sent <-> received).
-double sums_ms(const LinkSums& m, int32_t W, double row_bytes, const LinkModel& link,
-               bool transpose, double* link_bytes) {
-  if (link.gpus_per_node < 1) throw std::invalid_argument("gpus_per_node must be >= 1");
-  const bool multi_node = W > link.gpus_per_node;
-  double worst = 0.0, total = 0.0;
-  for (int32_t r = 0; r < W; ++r) {
-    const double io = static_cast<double>(std::max(m.intra_out[r], m.intra_in[r])) * row_bytes;
-    const double xo = static_cast<double>(std::max(m.inter_out[r], m.inter_in[r])) * row_bytes;
-    total += static_cast<double>(transpose ? m.intra_in[r] + m.inter_in[r]
-                                           : m.intra_out[r] + m.inter_out[r]) * row_bytes;
-    double t = 0.0;
-    if (W > 1) t = link.intra_latency_us * 1e-3 + transfer_ms(io, link.intra_GBps);
-    if (multi_node) t = std::max(t, link.inter_latency_us * 1e-3 + transfer_ms(xo, link.inter_GBps));
-    if (link.self_GBps > 0)
-      t = std::max(t, transfer_ms(static_cast<double>(m.self[r]) * row_bytes, link.self_GBps));
-    worst = std::max(worst, t);
-  }
-  if (link_bytes) *link_bytes = total;
-  return worst;
-}
-
-}  // namespace
-
 double all_to_all_ms(const std::vector<int64_t>& M_WW, int32_t W, double row_bytes,
-                     const LinkModel& link, double* link_bytes) {
-  if (link.gpus_per_node < 1) throw std::invalid_argument("gpus_per_node must be >= 1");
-  LinkSums m(W);
-  for (int32_t s = 0; s < W; ++s)
-    for (int32_t d = 0; d < W; ++d)
-      m.add(s, d, M_WW[static_cast<size_t>(s) * W + d], link.gpus_per_node);
-  return sums_ms(m, W, row_bytes, link, false, link_bytes);
+                     const LinkModel& link, double* link_bytes_out) {
+  const TokenDispatch d = expected_dispatch(M_WW, W, 1, link.gpus_per_node);
+  if (link_bytes_out) *link_bytes_out = link_bytes(d, row_bytes);
+  return hierarchical_a2a_ms(d, row_bytes, link);
 }
 
 LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& in,
@@ -239,7 +193,10 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
     rows_f_W[r].clear();
     rows_b_W[r].clear();
   }
-  LinkSums Mf(W), Mb(W), rep_f(W), rep_b(W);
+  // pair rows from source s computed on rank d (W x W) forward and retained, and replica
+  // bytes from rank a to rank b, forward and backward: the all-to-alls' inputs (a2a.h)
+  thread_local std::vector<int64_t> Mf, Mb, rep_f, rep_b;
+  for (auto* v : {&Mf, &Mb, &rep_f, &rep_b}) v->assign(Wz * Wz, 0);
   // replica weights stream per layer (ultraep, lrmoe); symi places its copies with the
   // weight update of the step before, off the layer's critical path
   const bool stream = plan.policy != planner::PolicyKind::kSymi;
@@ -252,33 +209,16 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
       int64_t f = 0, b = 0;
       const int64_t* F_W = plan.forward_IW.data() + static_cast<size_t>(i) * W;
       const int64_t* B_W = plan.retained_IW.data() + static_cast<size_t>(i) * W;
-      // one pass: source s sends F_W[s] rows to r, over NVLink when s shares r's node,
-      // else over the network; r's own rows are a device copy
-      const int32_t n0 = (r / G) * G, n1 = std::min(W, n0 + G);
-      int64_t f_node = 0, b_node = 0;
+      int64_t* Mf_r = Mf.data() + r;  // column r of Mf, Mb: stride W
+      int64_t* Mb_r = Mb.data() + r;
       for (int32_t s = 0; s < W; ++s) {
         const int64_t fi = F_W[s], bi = B_W[s];
         f += fi;
         b += bi;
         R_W[s] += bi;
-        if (s >= n0 && s < n1) {
-          Mf.intra_out[s] += fi;
-          Mb.intra_out[s] += bi;
-          f_node += fi;
-          b_node += bi;
-        } else {
-          Mf.inter_out[s] += fi;
-          Mb.inter_out[s] += bi;
-        }
+        Mf_r[static_cast<size_t>(s) * Wz] += fi;
+        Mb_r[static_cast<size_t>(s) * Wz] += bi;
       }
-      Mf.intra_out[r] -= F_W[r];  // counted above as same-node: it is the self copy
-      Mb.intra_out[r] -= B_W[r];
-      Mf.self[r] += F_W[r];
-      Mb.self[r] += B_W[r];
-      Mf.intra_in[r] += f_node - F_W[r];
-      Mb.intra_in[r] += b_node - B_W[r];
-      Mf.inter_in[r] += f - f_node;
-      Mb.inter_in[r] += b - b_node;
       if (f > 0) rows_f_W[r].push_back(static_cast<double>(f));
       if (b > 0) rows_b_W[r].push_back(static_cast<double>(b));
       recv_f_W[r] += f;
@@ -286,9 +226,9 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
       if (i != plan.instance_offsets[e] && stream) {
         // weights to the replica for the forward, again for the backward (the slot is
         // reused across layers), its gradient reduced back into the owner's
-        rep_f.add(owner, r, in.memory.expert_weight_bytes, G);
-        rep_b.add(owner, r, in.memory.expert_weight_bytes, G);
-        rep_b.add(r, owner, in.memory.expert_grad_bytes, G);
+        rep_f[static_cast<size_t>(owner) * Wz + r] += in.memory.expert_weight_bytes;
+        rep_b[static_cast<size_t>(owner) * Wz + r] += in.memory.expert_weight_bytes;
+        rep_b[static_cast<size_t>(r) * Wz + owner] += in.memory.expert_grad_bytes;
       }
     }
   }
@@ -322,14 +262,20 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
   const PerRowCosts& c = cfg.cost.per_row;
   const double ep_f = W > 1 ? c.ep_fwd : 0.0, ep_b = W > 1 ? c.ep_bwd : 0.0;
   const GemmTable gemm(cfg.cost.gemm, cfg.cost.roofline);
-  double b1 = 0, b2 = 0, b3 = 0, b4 = 0;
-  // combine and dx go back from expert ranks to sources: the transposes
-  res.dispatch_ms = sums_ms(Mf, W, rb, cfg.link, false, &b1);
-  res.combine_ms = sums_ms(Mf, W, rb + 4, cfg.link, true, &b2);
-  res.grad_a2a_ms = sums_ms(Mb, W, rb + 4, cfg.link, false, &b3);
-  res.dx_a2a_ms = sums_ms(Mb, W, rb, cfg.link, true, &b4);
-  res.fwd_link_bytes = b1 + b2;
-  res.bwd_link_bytes = b3 + b4;
+  // the four token all-to-alls (a2a.h): dispatch and gradient rows from sources to
+  // expert ranks, deduplicated over the token's top_k experts; combine and dx the same
+  // rows back (reversed). Row sizes as the EP layer's: x rows, y + fp32 phi_sq, gradient
+  // + int32 position, dx rows
+  thread_local TokenDispatch Df, Db;
+  expected_dispatch(Mf, W, cfg.top_k, G, &Df);
+  expected_dispatch(Mb, W, cfg.top_k, G, &Db);
+  const TokenDispatch Df_back = reversed(Df), Db_back = reversed(Db);
+  res.dispatch_ms = hierarchical_a2a_ms(Df, rb, cfg.link);
+  res.combine_ms = hierarchical_a2a_ms(Df_back, rb + 4, cfg.link);
+  res.grad_a2a_ms = hierarchical_a2a_ms(Db, rb + 4, cfg.link);
+  res.dx_a2a_ms = hierarchical_a2a_ms(Db_back, rb, cfg.link);
+  res.fwd_link_bytes = link_bytes(Df, rb) + link_bytes(Df_back, rb + 4);
+  res.bwd_link_bytes = link_bytes(Db, rb + 4) + link_bytes(Db_back, rb);
   double pre_f = 0, post_f = 0, pre_b = 0, post_b = 0, gf = 0, gb = 0, d2h = 0, h2d = 0;
   for (int32_t r = 0; r < W; ++r) {
     const double P = static_cast<double>(P_W[r]), R = static_cast<double>(R_W[r]);
@@ -351,9 +297,18 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
   res.expert_fwd_ms = gf;
   res.src_bwd_ms = pre_b + post_b;
   res.expert_bwd_ms = gb;
-  double rep_f_bytes = 0, rep_b_bytes = 0;
-  const double t_rep_f = sums_ms(rep_f, W, 1.0, cfg.link, false, &rep_f_bytes);
-  const double t_rep_b = sums_ms(rep_b, W, 1.0, cfg.link, false, &rep_b_bytes);
+  // replica weights (and gradients back) as one-byte rows of the same all-to-all, no
+  // dedup: each copy is its own transfer
+  double rep_f_bytes = 0, rep_b_bytes = 0, t_rep_f = 0, t_rep_b = 0;
+  if (stream && res.replicas > 0) {
+    thread_local TokenDispatch Dr;
+    expected_dispatch(rep_f, W, 1, G, &Dr);
+    t_rep_f = hierarchical_a2a_ms(Dr, 1.0, cfg.link);
+    rep_f_bytes = link_bytes(Dr, 1.0);
+    expected_dispatch(rep_b, W, 1, G, &Dr);
+    t_rep_b = hierarchical_a2a_ms(Dr, 1.0, cfg.link);
+    rep_b_bytes = link_bytes(Dr, 1.0);
+  }
   res.replica_bytes = rep_f_bytes + rep_b_bytes;
   const bool any_rep = res.replica_bytes > 0;
   // replica weights stream while the sources route and dispatch; their backward copies

@@ -9,7 +9,9 @@
 // (4 x 8192 tokens x top-8), Zipf-skewed per layer (exponent 1, hot experts at random
 // ids per layer), 16 distinct draws of +-20 % noise; group g at step s takes draw
 // (s + 2 g) mod 16, so the groups of one step see different loads. Costs: the Qwen3-30B-A3B figures of docs/journal/performance.md (one point per
-// experts count, linear in rows), NVLink 370 GB/s, network 50 GB/s per GPU. c = 0.3 and
+// experts count, linear in rows) floored at the H200 roofline, NVLink 370 GB/s, network
+// 50 GB/s per GPU through the hierarchical all-to-all of sim/a2a.h (top-8 dedup, 1 us per
+// peer, 4 chunks). c = 0.3 and
 // the balance target `slack` for lrmoe (0, the library's default,
 // lrmoe.planner.DEFAULT_BALANCE_SLACK; negative: off). Prints wall seconds per policy
 // and in all.
@@ -71,6 +73,16 @@ int main(int argc, char** argv) {
                       0, 0.04 / 262144, 0.14 / 262144, 0, 1.02 / 262144, 0.33 / 262144};
   cfg.cost.h2d_GBps = 50;
   cfg.link = {8, 370, 10, 50, 20, 2100};
+  // the all-to-all of sim/a2a.h: deduplicated over the top-8, 1 us per peer, 4 chunks
+  cfg.link.per_peer_us = 1;
+  cfg.link.chunks = 4;
+  cfg.top_k = 8;
+  // the H200 roofline of one Qwen3 expert (docs/simulation.md, "Cost model")
+  cfg.cost.roofline.peak_TFLOPs = 989;
+  cfg.cost.roofline.hbm_GBps = 4800;
+  cfg.cost.roofline.launch_us = 10;
+  cfg.cost.roofline.hidden = H;
+  cfg.cost.roofline.inter = I;
   cfg.hidden = H;
 
   const int64_t chunk = 2;  // steps per call: chunk x groups x layers x W x E loads in memory
