@@ -109,20 +109,17 @@ void expected_dispatch(const std::vector<int64_t>& M_WW, int32_t W, int32_t K, i
   TokenDispatch& d = *out;
   reset(&d, Wz);
   const int32_t nodes = (W + G - 1) / G;
-  // per-thread scratch: W x W peer flags and one row's per-node pair sums
-  thread_local std::vector<char> inter_peer, intra_peer;
-  thread_local std::vector<int64_t> node_pairs;
-  inter_peer.assign(Wz * Wz, 0);
-  intra_peer.assign(Wz * Wz, 0);
-  node_pairs.assign(static_cast<size_t>(nodes), 0);
+  // per-thread scratch: which (sender, rank) NVLink pairs carry rows (a rank sends its
+  // own rows and forwards others' as a proxy to the same ranks; network peers are
+  // distinct per (source, node) by construction and need no flags)
+  thread_local std::vector<char> fwd_peer;
+  fwd_peer.assign(Wz * Wz, 0);
   for (int32_t s = 0; s < W; ++s) {
     const int64_t* row = M_WW.data() + static_cast<size_t>(s) * Wz;
     int64_t P = 0;
-    std::fill(node_pairs.begin(), node_pairs.end(), int64_t(0));
     for (int32_t r = 0; r < W; ++r) {
       if (row[r] < 0) throw std::invalid_argument("expected_dispatch: M_WW holds a negative entry");
       P += row[r];
-      node_pairs[static_cast<size_t>(r / G)] += row[r];
     }
     if (P == 0) continue;
     // expected rows of m pairs out of P: K = 1 gives m itself (no rounding)
@@ -130,36 +127,46 @@ void expected_dispatch(const std::vector<int64_t>& M_WW, int32_t W, int32_t K, i
     auto rows = [&](int64_t m) {
       return K == 1 ? static_cast<double>(m) : T * hit(static_cast<double>(m) * inv_P, K);
     };
-    const int32_t home = s / G;
-    for (int32_t r = 0; r < W; ++r) {
-      const int64_t m = row[r];
-      if (m == 0) continue;
-      const double x = rows(m);
-      const int32_t node = r / G;
-      if (r == s) {
-        d.self_W[static_cast<size_t>(s)] += x;
+    const int32_t home = s / G, local = s % G;
+    // node by node, no division per cell (this is the simulator's innermost loop)
+    for (int32_t n = 0; n < nodes; ++n) {
+      const int32_t r0 = n * G, r1 = std::min(W, r0 + G);
+      if (n == home) {
+        for (int32_t r = r0; r < r1; ++r) {
+          const int64_t m = row[r];
+          if (m == 0) continue;
+          const double x = rows(m);
+          if (r == s) {
+            d.self_W[static_cast<size_t>(s)] += x;
+            continue;
+          }
+          d.intra_out_W[static_cast<size_t>(s)] += x;
+          d.intra_in_W[static_cast<size_t>(r)] += x;
+          peer(fwd_peer, Wz, static_cast<size_t>(s), static_cast<size_t>(r), d.intra_peers_W,
+               d.intra_in_peers_W);  // s may also forward to r as a proxy
+        }
         continue;
       }
-      int32_t from = s;  // same node: straight over NVLink
-      if (node != home) {
-        d.pair_inter_rows += static_cast<double>(m);
-        from = std::min(W - 1, node * G + s % G);  // the proxy forwards it
-        if (from == r) continue;
+      const int32_t proxy = std::min(W - 1, r0 + local);
+      int64_t node_m = 0;
+      for (int32_t r = r0; r < r1; ++r) {
+        const int64_t m = row[r];
+        if (m == 0) continue;
+        node_m += m;
+        if (r == proxy) continue;  // the network row lands on it
+        const double x = rows(m);
+        d.intra_out_W[static_cast<size_t>(proxy)] += x;
+        d.intra_in_W[static_cast<size_t>(r)] += x;
+        peer(fwd_peer, Wz, static_cast<size_t>(proxy), static_cast<size_t>(r), d.intra_peers_W,
+             d.intra_in_peers_W);
       }
-      d.intra_out_W[static_cast<size_t>(from)] += x;
-      d.intra_in_W[static_cast<size_t>(r)] += x;
-      peer(intra_peer, Wz, static_cast<size_t>(from), static_cast<size_t>(r), d.intra_peers_W,
-           d.intra_in_peers_W);
-    }
-    for (int32_t n = 0; n < nodes; ++n) {  // one network row per token and remote node
-      const int64_t m = node_pairs[static_cast<size_t>(n)];
-      if (n == home || m == 0) continue;
-      const int32_t proxy = std::min(W - 1, n * G + s % G);
-      const double x = rows(m);
+      if (node_m == 0) continue;
+      d.pair_inter_rows += static_cast<double>(node_m);
+      const double x = rows(node_m);  // one network row per token and remote node
       d.inter_out_W[static_cast<size_t>(s)] += x;
       d.inter_in_W[static_cast<size_t>(proxy)] += x;
-      peer(inter_peer, Wz, static_cast<size_t>(s), static_cast<size_t>(proxy), d.inter_peers_W,
-           d.inter_in_peers_W);
+      ++d.inter_peers_W[static_cast<size_t>(s)];
+      ++d.inter_in_peers_W[static_cast<size_t>(proxy)];
     }
   }
 }

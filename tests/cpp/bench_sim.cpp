@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <malloc.h>
 #include <random>
 #include <vector>
 
@@ -30,6 +31,13 @@
 using namespace lrmoe;
 
 int main(int argc, char** argv) {
+  // keep freed memory in the process: every plan allocates a few 128-256 KiB arrays
+  // (W x I cells), which glibc otherwise maps and unmaps per layer, and the kernel
+  // zeroes the fresh pages (clear_page_rep was 10-12 % of a perf profile). A process
+  // that embeds the simulator gets the same with MALLOC_MMAP_THRESHOLD_ /
+  // MALLOC_TRIM_THRESHOLD_ in its environment (glibc mallopt(3)); results do not change
+  mallopt(M_MMAP_THRESHOLD, 64 << 20);
+  mallopt(M_TRIM_THRESHOLD, 512 << 20);
   const int64_t steps = argc > 1 ? std::atoll(argv[1]) : 1000;
   const int64_t layers = argc > 2 ? std::atoll(argv[2]) : 48;
   const int gpus = argc > 3 ? std::atoi(argv[3]) : 1024;
