@@ -13,6 +13,7 @@
 #include <limits>
 #include <map>
 #include <stdexcept>
+#include <string>
 #include <thread>
 
 namespace lrmoe {
@@ -359,6 +360,18 @@ std::vector<LayerResult> simulate_trace(const std::string& policy, const planner
     throw std::invalid_argument("loads must hold steps x layers x W x E entries");
   if (previous_LWE && previous_LWE->size() != static_cast<size_t>(layers) * cell)
     throw std::invalid_argument("previous loads must hold layers x W x E entries");
+  const CellLoads at = [&](int64_t j) -> const int64_t* {
+    if (j >= 0) return loads_SLWE.data() + static_cast<size_t>(j) * cell;
+    return previous_LWE ? previous_LWE->data() + static_cast<size_t>(j + layers) * cell : nullptr;
+  };
+  return simulate_trace(policy, base, at, steps, layers, cfg, threads);
+}
+
+std::vector<LayerResult> simulate_trace(const std::string& policy, const planner::PlanInput& base,
+                                        const CellLoads& loads, int64_t steps, int64_t layers,
+                                        const SimConfig& cfg, int32_t threads) {
+  const size_t cell = static_cast<size_t>(base.num_ranks) * base.num_experts;
+  if (steps < 1 || layers < 1) throw std::invalid_argument("steps and layers must be >= 1");
   if (threads < 1) throw std::invalid_argument("threads must be >= 1");
   const auto pol = planner::make_policy(policy);
   const bool symi = pol->kind() == planner::PolicyKind::kSymi;
@@ -373,13 +386,13 @@ std::vector<LayerResult> simulate_trace(const std::string& policy, const planner
     planner::PlanInput in = base;
     try {
       for (int64_t j = next++; j < N; j = next++) {
-        const size_t at = static_cast<size_t>(j) * cell;
-        in.load_WE.assign(loads_SLWE.begin() + at, loads_SLWE.begin() + at + cell);
+        const int64_t* now = loads(j);
+        if (!now) throw std::invalid_argument("simulate_trace: no loads for cell " + std::to_string(j));
+        in.load_WE.assign(now, now + cell);
         in.previous_load_E.clear();
-        const int64_t* prev = nullptr;  // the same layer one step earlier
-        if (j >= layers) prev = loads_SLWE.data() + static_cast<size_t>(j - layers) * cell;
-        else if (previous_LWE) prev = previous_LWE->data() + static_cast<size_t>(j) * cell;
-        if (symi && prev) {
+        // the same layer one step earlier (for the first step: the caller's, if any)
+        const int64_t* prev = symi ? loads(j - layers) : nullptr;
+        if (prev) {
           in.previous_load_E.assign(static_cast<size_t>(base.num_experts), 0);
           for (size_t k = 0; k < cell; ++k) in.previous_load_E[k % base.num_experts] += prev[k];
         }

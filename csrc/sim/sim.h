@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -167,6 +168,20 @@ std::vector<LayerResult> simulate_trace(const std::string& policy, const planner
                                         const std::vector<int64_t>& loads_SLWE, int64_t steps,
                                         int64_t layers, const SimConfig& cfg, int32_t threads,
                                         const std::vector<int64_t>* previous_LWE = nullptr);
+
+// The W x E loads of cell j of a trace (j = step x layers + layer), or of the first
+// step's previous cell when asked for j < 0 (j + layers: that layer one step earlier;
+// nullptr: none). The pointer must stay valid for the whole call; the function is
+// called from several threads at once.
+using CellLoads = std::function<const int64_t*(int64_t j)>;
+
+// simulate_trace over loads the caller keeps (no copy of the trace: a benchmark or a
+// generator points into its own buffers). simulate_trace above is this over its array.
+// Throws std::invalid_argument for steps or layers < 1, threads < 1, a null pointer for
+// a cell j >= 0, or whatever the planner throws.
+std::vector<LayerResult> simulate_trace(const std::string& policy, const planner::PlanInput& base,
+                                        const CellLoads& loads, int64_t steps, int64_t layers,
+                                        const SimConfig& cfg, int32_t threads);
 
 // Batch pressure: the loads multiplied by m. A plan that does not fit is split into
 // k = 2, 3, ... micro-batches (loads ceil(m L / k)) until one fits or k > max_micro.

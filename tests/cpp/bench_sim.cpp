@@ -93,7 +93,9 @@ int main(int argc, char** argv) {
   cfg.cost.roofline.inter = I;
   cfg.hidden = H;
 
-  const int64_t chunk = 2;  // steps per call: chunk x groups x layers x W x E loads in memory
+  // steps per call; each cell's loads are read in place from the pool (sim.h CellLoads):
+  // no per-chunk copy of 100 MB while the threads wait, one thread start per 50 steps
+  const int64_t chunk = 50;
   const int64_t per_step = groups * layers;  // (group, layer) cells of one step
   double total = 0;
   std::printf("%-8s %6s %6s %5s %4s %6s %9s %12s %12s %9s\n", "policy", "steps", "layers",
@@ -105,19 +107,18 @@ int main(int argc, char** argv) {
     const auto t0 = std::chrono::steady_clock::now();
     double sum_ms = 0, sum_mean = 0;
     int64_t ok = 0, n = 0;
-    std::vector<int64_t> loads, prev;
     for (int64_t s0 = 0; s0 < steps; s0 += chunk) {
       const int64_t ns = std::min(chunk, steps - s0);
-      loads.resize(static_cast<size_t>(ns * per_step) * cell);
-      for (int64_t s = 0; s < ns; ++s)
-        for (int64_t g = 0; g < groups; ++g) {
-          const size_t from = static_cast<size_t>(((s0 + s + 2 * g) % distinct) * layers) * cell;
-          std::copy(pool.begin() + from, pool.begin() + from + layers * cell,
-                    loads.begin() + static_cast<size_t>((s * groups + g) * layers) * cell);
-        }
-      const auto out = sim::simulate_cluster(policy, in, loads, ns, groups, layers, cfg, threads,
-                                             prev.empty() ? nullptr : &prev);
-      prev.assign(loads.end() - per_step * cell, loads.end());
+      // cell j = (s x groups + g) x layers + l of this chunk: group g at step s0 + s
+      // takes draw (s0 + s + 2 g) mod 16; j < 0 is the step before the chunk
+      const sim::CellLoads at = [&](int64_t j) -> const int64_t* {
+        const int64_t s = j >= 0 ? j / per_step : -1;
+        if (s0 + s < 0) return nullptr;
+        const int64_t g = ((j % per_step) + per_step) % per_step / layers, l = ((j % layers) + layers) % layers;
+        const int64_t draw = (s0 + s + 2 * g) % distinct;
+        return pool.data() + static_cast<size_t>(draw * layers + l) * cell;
+      };
+      const auto out = sim::simulate_cluster(policy, in, at, ns, groups, layers, cfg, threads);
       for (const auto& r : out) {
         ++n;
         if (r.feasible) { ++ok; sum_ms += r.time_ms; sum_mean += r.mean_group_ms; }
