@@ -101,6 +101,8 @@ void bind_sim(py::module_ m) {
       .field("inter_GBps", &LinkModel::inter_GBps, "network GB/s")
       .field("inter_latency_us", &LinkModel::inter_latency_us, "network us per collective")
       .field("self_GBps", &LinkModel::self_GBps, "device copy of a rank's own rows (0: free)")
+      .field("per_peer_us", &LinkModel::per_peer_us, "us per distinct peer of a link class")
+      .field("chunks", &LinkModel::chunks, "network/NVLink phases pipelined over (1: in sequence)")
       .done();
 
   Struct<SimConfig>(m, "SimConfig", "Costs, links and sizes of a simulated layer.")
@@ -112,6 +114,7 @@ void bind_sim(py::module_ m) {
       .field("offload_row_bytes", &SimConfig::offload_row_bytes,
              "saved bytes per forward row moved to the host")
       .field("per_rank_bytes", &SimConfig::per_rank_bytes, "fill LayerResult.sent_bytes_5W")
+      .field("top_k", &SimConfig::top_k, "experts per token for the all-to-all dedup (1: none)")
       .done();
 
   // lrmoe/sim/simulate.py FIELDS (its result keys) are derived from these fields, in

@@ -7,6 +7,10 @@
 
 namespace lrmoe {
 namespace sim {
+namespace {
+std::vector<ClusterLayer> reduce(const std::vector<LayerResult>& r, int64_t steps,
+                                 int64_t groups, int64_t layers);
+}  // namespace
 
 std::vector<ClusterLayer> simulate_cluster(const std::string& policy,
                                            const planner::PlanInput& base,
@@ -19,8 +23,28 @@ std::vector<ClusterLayer> simulate_cluster(const std::string& policy,
     throw std::invalid_argument("simulate_cluster: steps and layers must be >= 1");
   // (group, layer) flattened into one layer axis of Gr x Lyr: simulate_trace's "same
   // layer one step earlier" is then the same group's same layer, as symi needs
-  const std::vector<LayerResult> r = simulate_trace(policy, base, loads_SGLWE, steps,
-                                                    groups * layers, cfg, threads, previous_GLWE);
+  return reduce(simulate_trace(policy, base, loads_SGLWE, steps, groups * layers, cfg, threads,
+                               previous_GLWE),
+                steps, groups, layers);
+}
+
+std::vector<ClusterLayer> simulate_cluster(const std::string& policy,
+                                           const planner::PlanInput& base,
+                                           const CellLoads& loads, int64_t steps,
+                                           int64_t groups, int64_t layers,
+                                           const SimConfig& cfg, int32_t threads) {
+  if (groups < 1) throw std::invalid_argument("simulate_cluster: groups must be >= 1");
+  if (steps < 1 || layers < 1)
+    throw std::invalid_argument("simulate_cluster: steps and layers must be >= 1");
+  return reduce(simulate_trace(policy, base, loads, steps, groups * layers, cfg, threads), steps,
+                groups, layers);
+}
+
+namespace {
+
+// Per (step, layer): the slowest group's time, which group, the mean over groups.
+std::vector<ClusterLayer> reduce(const std::vector<LayerResult>& r, int64_t steps,
+                                 int64_t groups, int64_t layers) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   std::vector<ClusterLayer> out(static_cast<size_t>(steps * layers));
   for (int64_t s = 0; s < steps; ++s)
@@ -47,6 +71,8 @@ std::vector<ClusterLayer> simulate_cluster(const std::string& policy,
     }
   return out;
 }
+
+}  // namespace
 
 }  // namespace sim
 }  // namespace lrmoe

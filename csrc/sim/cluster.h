@@ -36,5 +36,15 @@ std::vector<ClusterLayer> simulate_cluster(const std::string& policy,
                                            const SimConfig& cfg, int32_t threads,
                                            const std::vector<int64_t>* previous_GLWE = nullptr);
 
+// The same over loads the caller keeps (sim.h CellLoads): cell j = (step x groups +
+// group) x layers + layer; j < 0 asks for the first step's previous cell j + groups x
+// layers (nullptr: none). bench_sim points into its pool of draws instead of copying
+// them. Throws as above.
+std::vector<ClusterLayer> simulate_cluster(const std::string& policy,
+                                           const planner::PlanInput& base,
+                                           const CellLoads& loads, int64_t steps,
+                                           int64_t groups, int64_t layers,
+                                           const SimConfig& cfg, int32_t threads);
+
 }  // namespace sim
 }  // namespace lrmoe

@@ -5,12 +5,15 @@
 // / retained rows, M_WW rows from rank s to rank d.
 #include "sim/sim.h"
 
+#include "sim/a2a.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <limits>
 #include <map>
 #include <stdexcept>
+#include <string>
 #include <thread>
 
 namespace lrmoe {
@@ -150,59 +153,12 @@ double gemm_ms(const std::vector<GemmPoint>& grid, double k, double rows, bool b
   return GemmTable(grid).ms(k, rows, backward);
 }
 
-namespace {
-
-// Per rank: rows (or bytes) sent and received over NVLink (same node) and the network.
-struct LinkSums {
-  std::vector<int64_t> intra_out, intra_in, inter_out, inter_in, self;
-  explicit LinkSums(int32_t W)
-      : intra_out(W, 0), intra_in(W, 0), inter_out(W, 0), inter_in(W, 0), self(W, 0) {}
-  void add(int32_t s, int32_t d, int64_t v, int32_t G) {
-    if (v == 0) return;
-    if (s == d) {  // rows to itself never touch a link: a device copy
-      self[s] += v;
-      return;
-    }
-    if (s / G == d / G) {
-      intra_out[s] += v; intra_in[d] += v;
-    } else {
-      inter_out[s] += v; inter_in[d] += v;
-    }
-  }
-};
-
-// The all-to-all time of `sums` (x row_bytes), or of its transpose (sent <-> received).
-double sums_ms(const LinkSums& m, int32_t W, double row_bytes, const LinkModel& link,
-               bool transpose, double* link_bytes) {
-  if (link.gpus_per_node < 1) throw std::invalid_argument("gpus_per_node must be >= 1");
-  const bool multi_node = W > link.gpus_per_node;
-  double worst = 0.0, total = 0.0;
-  for (int32_t r = 0; r < W; ++r) {
-    const double io = static_cast<double>(std::max(m.intra_out[r], m.intra_in[r])) * row_bytes;
-    const double xo = static_cast<double>(std::max(m.inter_out[r], m.inter_in[r])) * row_bytes;
-    total += static_cast<double>(transpose ? m.intra_in[r] + m.inter_in[r]
-                                           : m.intra_out[r] + m.inter_out[r]) * row_bytes;
-    double t = 0.0;
-    if (W > 1) t = link.intra_latency_us * 1e-3 + transfer_ms(io, link.intra_GBps);
-    if (multi_node) t = std::max(t, link.inter_latency_us * 1e-3 + transfer_ms(xo, link.inter_GBps));
-    if (link.self_GBps > 0)
-      t = std::max(t, transfer_ms(static_cast<double>(m.self[r]) * row_bytes, link.self_GBps));
-    worst = std::max(worst, t);
-  }
-  if (link_bytes) *link_bytes = total;
-  return worst;
-}
-
-}  // namespace
-
 double all_to_all_ms(const std::vector<int64_t>& M_WW, int32_t W, double row_bytes,
-                     const LinkModel& link, double* link_bytes) {
+                     const LinkModel& link, double* link_bytes_out) {
   if (link.gpus_per_node < 1) throw std::invalid_argument("gpus_per_node must be >= 1");
-  LinkSums m(W);
-  for (int32_t s = 0; s < W; ++s)
-    for (int32_t d = 0; d < W; ++d)
-      m.add(s, d, M_WW[static_cast<size_t>(s) * W + d], link.gpus_per_node);
-  return sums_ms(m, W, row_bytes, link, false, link_bytes);
+  const TokenDispatch d = expected_dispatch(M_WW, W, 1, link.gpus_per_node);
+  if (link_bytes_out) *link_bytes_out = link_bytes(d, row_bytes);
+  return hierarchical_a2a_ms(d, row_bytes, link);
 }
 
 LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& in,
@@ -239,7 +195,12 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
     rows_f_W[r].clear();
     rows_b_W[r].clear();
   }
-  LinkSums Mf(W), Mb(W), rep_f(W), rep_b(W);
+  // pair rows from source s computed on rank d (W x W) forward and retained, and replica
+  // bytes from rank a to rank b, forward and backward: the all-to-alls' inputs (a2a.h)
+  thread_local std::vector<int64_t> Mf, Mb, rep_f, rep_b, Mf_t, Mb_t;
+  for (auto* v : {&rep_f, &rep_b, &Mf_t, &Mb_t}) v->assign(Wz * Wz, 0);
+  Mf.resize(Wz * Wz);
+  Mb.resize(Wz * Wz);
   // replica weights stream per layer (ultraep, lrmoe); symi places its copies with the
   // weight update of the step before, off the layer's critical path
   const bool stream = plan.policy != planner::PolicyKind::kSymi;
@@ -252,33 +213,18 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
       int64_t f = 0, b = 0;
       const int64_t* F_W = plan.forward_IW.data() + static_cast<size_t>(i) * W;
       const int64_t* B_W = plan.retained_IW.data() + static_cast<size_t>(i) * W;
-      // one pass: source s sends F_W[s] rows to r, over NVLink when s shares r's node,
-      // else over the network; r's own rows are a device copy
-      const int32_t n0 = (r / G) * G, n1 = std::min(W, n0 + G);
-      int64_t f_node = 0, b_node = 0;
+      // rank r's row of the transposes (contiguous: this loop vectorises; the column
+      // writes it replaced were a tenth of the simulator's time)
+      int64_t* Mf_r = Mf_t.data() + static_cast<size_t>(r) * Wz;
+      int64_t* Mb_r = Mb_t.data() + static_cast<size_t>(r) * Wz;
       for (int32_t s = 0; s < W; ++s) {
         const int64_t fi = F_W[s], bi = B_W[s];
         f += fi;
         b += bi;
         R_W[s] += bi;
-        if (s >= n0 && s < n1) {
-          Mf.intra_out[s] += fi;
-          Mb.intra_out[s] += bi;
-          f_node += fi;
-          b_node += bi;
-        } else {
-          Mf.inter_out[s] += fi;
-          Mb.inter_out[s] += bi;
-        }
+        Mf_r[s] += fi;
+        Mb_r[s] += bi;
       }
-      Mf.intra_out[r] -= F_W[r];  // counted above as same-node: it is the self copy
-      Mb.intra_out[r] -= B_W[r];
-      Mf.self[r] += F_W[r];
-      Mb.self[r] += B_W[r];
-      Mf.intra_in[r] += f_node - F_W[r];
-      Mb.intra_in[r] += b_node - B_W[r];
-      Mf.inter_in[r] += f - f_node;
-      Mb.inter_in[r] += b - b_node;
       if (f > 0) rows_f_W[r].push_back(static_cast<double>(f));
       if (b > 0) rows_b_W[r].push_back(static_cast<double>(b));
       recv_f_W[r] += f;
@@ -286,12 +232,20 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
       if (i != plan.instance_offsets[e] && stream) {
         // weights to the replica for the forward, again for the backward (the slot is
         // reused across layers), its gradient reduced back into the owner's
-        rep_f.add(owner, r, in.memory.expert_weight_bytes, G);
-        rep_b.add(owner, r, in.memory.expert_weight_bytes, G);
-        rep_b.add(r, owner, in.memory.expert_grad_bytes, G);
+        rep_f[static_cast<size_t>(owner) * Wz + r] += in.memory.expert_weight_bytes;
+        rep_b[static_cast<size_t>(owner) * Wz + r] += in.memory.expert_weight_bytes;
+        rep_b[static_cast<size_t>(r) * Wz + owner] += in.memory.expert_grad_bytes;
       }
     }
   }
+  // M[s][d] from the transposes, in 32 x 32 tiles (cache-friendly)
+  for (size_t d0 = 0; d0 < Wz; d0 += 32)
+    for (size_t s0 = 0; s0 < Wz; s0 += 32)
+      for (size_t d = d0; d < std::min(Wz, d0 + 32); ++d)
+        for (size_t s = s0; s < std::min(Wz, s0 + 32); ++s) {
+          Mf[s * Wz + d] = Mf_t[d * Wz + s];
+          Mb[s * Wz + d] = Mb_t[d * Wz + s];
+        }
   // bytes each rank sends into each collective, self rows included (the EP layer's count)
   const int64_t rbi = cfg.hidden * cfg.elem_bytes;
   if (cfg.per_rank_bytes) res.sent_bytes_5W.assign(5 * Wz, 0);
@@ -322,14 +276,23 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
   const PerRowCosts& c = cfg.cost.per_row;
   const double ep_f = W > 1 ? c.ep_fwd : 0.0, ep_b = W > 1 ? c.ep_bwd : 0.0;
   const GemmTable gemm(cfg.cost.gemm, cfg.cost.roofline);
-  double b1 = 0, b2 = 0, b3 = 0, b4 = 0;
-  // combine and dx go back from expert ranks to sources: the transposes
-  res.dispatch_ms = sums_ms(Mf, W, rb, cfg.link, false, &b1);
-  res.combine_ms = sums_ms(Mf, W, rb + 4, cfg.link, true, &b2);
-  res.grad_a2a_ms = sums_ms(Mb, W, rb + 4, cfg.link, false, &b3);
-  res.dx_a2a_ms = sums_ms(Mb, W, rb, cfg.link, true, &b4);
-  res.fwd_link_bytes = b1 + b2;
-  res.bwd_link_bytes = b3 + b4;
+  // the four token all-to-alls (a2a.h): dispatch and gradient rows from sources to
+  // expert ranks, deduplicated over the token's top_k experts; combine and dx the same
+  // rows back (reversed). Row sizes as the EP layer's: x rows, y + fp32 phi_sq, gradient
+  // + int32 position, dx rows
+  thread_local TokenDispatch Df, Db;
+  expected_dispatch(Mf, W, cfg.top_k, G, &Df);
+  // every row retained (the baselines, c = 0): the gradient's rows are the dispatch's,
+  // so is their dedup; comparing is a tenth of recomputing it
+  if (Mb == Mf) Db = Df;
+  else expected_dispatch(Mb, W, cfg.top_k, G, &Db);
+  const TokenDispatch Df_back = reversed(Df), Db_back = reversed(Db);
+  res.dispatch_ms = hierarchical_a2a_ms(Df, rb, cfg.link);
+  res.combine_ms = hierarchical_a2a_ms(Df_back, rb + 4, cfg.link);
+  res.grad_a2a_ms = hierarchical_a2a_ms(Db, rb + 4, cfg.link);
+  res.dx_a2a_ms = hierarchical_a2a_ms(Db_back, rb, cfg.link);
+  res.fwd_link_bytes = link_bytes(Df, rb) + link_bytes(Df_back, rb + 4);
+  res.bwd_link_bytes = link_bytes(Db, rb + 4) + link_bytes(Db_back, rb);
   double pre_f = 0, post_f = 0, pre_b = 0, post_b = 0, gf = 0, gb = 0, d2h = 0, h2d = 0;
   for (int32_t r = 0; r < W; ++r) {
     const double P = static_cast<double>(P_W[r]), R = static_cast<double>(R_W[r]);
@@ -351,9 +314,18 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
   res.expert_fwd_ms = gf;
   res.src_bwd_ms = pre_b + post_b;
   res.expert_bwd_ms = gb;
-  double rep_f_bytes = 0, rep_b_bytes = 0;
-  const double t_rep_f = sums_ms(rep_f, W, 1.0, cfg.link, false, &rep_f_bytes);
-  const double t_rep_b = sums_ms(rep_b, W, 1.0, cfg.link, false, &rep_b_bytes);
+  // replica weights (and gradients back) as one-byte rows of the same all-to-all, no
+  // dedup: each copy is its own transfer
+  double rep_f_bytes = 0, rep_b_bytes = 0, t_rep_f = 0, t_rep_b = 0;
+  if (stream && res.replicas > 0) {
+    thread_local TokenDispatch Dr;
+    expected_dispatch(rep_f, W, 1, G, &Dr);
+    t_rep_f = hierarchical_a2a_ms(Dr, 1.0, cfg.link);
+    rep_f_bytes = link_bytes(Dr, 1.0);
+    expected_dispatch(rep_b, W, 1, G, &Dr);
+    t_rep_b = hierarchical_a2a_ms(Dr, 1.0, cfg.link);
+    rep_b_bytes = link_bytes(Dr, 1.0);
+  }
   res.replica_bytes = rep_f_bytes + rep_b_bytes;
   const bool any_rep = res.replica_bytes > 0;
   // replica weights stream while the sources route and dispatch; their backward copies
@@ -388,6 +360,18 @@ std::vector<LayerResult> simulate_trace(const std::string& policy, const planner
     throw std::invalid_argument("loads must hold steps x layers x W x E entries");
   if (previous_LWE && previous_LWE->size() != static_cast<size_t>(layers) * cell)
     throw std::invalid_argument("previous loads must hold layers x W x E entries");
+  const CellLoads at = [&](int64_t j) -> const int64_t* {
+    if (j >= 0) return loads_SLWE.data() + static_cast<size_t>(j) * cell;
+    return previous_LWE ? previous_LWE->data() + static_cast<size_t>(j + layers) * cell : nullptr;
+  };
+  return simulate_trace(policy, base, at, steps, layers, cfg, threads);
+}
+
+std::vector<LayerResult> simulate_trace(const std::string& policy, const planner::PlanInput& base,
+                                        const CellLoads& loads, int64_t steps, int64_t layers,
+                                        const SimConfig& cfg, int32_t threads) {
+  const size_t cell = static_cast<size_t>(base.num_ranks) * base.num_experts;
+  if (steps < 1 || layers < 1) throw std::invalid_argument("steps and layers must be >= 1");
   if (threads < 1) throw std::invalid_argument("threads must be >= 1");
   const auto pol = planner::make_policy(policy);
   const bool symi = pol->kind() == planner::PolicyKind::kSymi;
@@ -402,13 +386,13 @@ std::vector<LayerResult> simulate_trace(const std::string& policy, const planner
     planner::PlanInput in = base;
     try {
       for (int64_t j = next++; j < N; j = next++) {
-        const size_t at = static_cast<size_t>(j) * cell;
-        in.load_WE.assign(loads_SLWE.begin() + at, loads_SLWE.begin() + at + cell);
+        const int64_t* now = loads(j);
+        if (!now) throw std::invalid_argument("simulate_trace: no loads for cell " + std::to_string(j));
+        in.load_WE.assign(now, now + cell);
         in.previous_load_E.clear();
-        const int64_t* prev = nullptr;  // the same layer one step earlier
-        if (j >= layers) prev = loads_SLWE.data() + static_cast<size_t>(j - layers) * cell;
-        else if (previous_LWE) prev = previous_LWE->data() + static_cast<size_t>(j) * cell;
-        if (symi && prev) {
+        // the same layer one step earlier (for the first step: the caller's, if any)
+        const int64_t* prev = symi ? loads(j - layers) : nullptr;
+        if (prev) {
           in.previous_load_E.assign(static_cast<size_t>(base.num_experts), 0);
           for (size_t k = 0; k < cell; ++k) in.previous_load_E[k % base.num_experts] += prev[k];
         }

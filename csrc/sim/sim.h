@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -58,6 +59,12 @@ struct LinkModel {
   // rows a rank sends itself never touch a link, but NCCL copies them on the device:
   // GB/s of that copy (bytes counted once; 0: free)
   double self_GBps = 0;
+  // us per distinct peer a rank exchanges with over a link class, on top of that
+  // class's latency (a2a.h hierarchical_a2a_ms; 0: one latency per class)
+  double per_peer_us = 0;
+  // chunks the network and NVLink phases of a hierarchical all-to-all are pipelined
+  // over (1: in sequence; a2a.h hierarchical_a2a_ms)
+  int32_t chunks = 1;
 };
 
 struct SimConfig {
@@ -68,6 +75,11 @@ struct SimConfig {
   bool offload = false;          // saved activations in host memory
   int64_t offload_row_bytes = 0; // saved bytes per forward row moved to the host
   bool per_rank_bytes = false;   // fill LayerResult::sent_bytes_5W (5 W numbers per layer)
+  // experts per token K for the all-to-all's dedup (a2a.h expected_dispatch): a token
+  // crosses to a rank or a remote node once however many of its K experts sit there.
+  // 1: every (token, expert) pair is its own row, which is what lrmoe's own EP layer
+  // sends (lrmoe/parallel); K > 1 models a deduplicating dispatcher (DeepEP-style)
+  int32_t top_k = 1;
 };
 
 // The grid grouped by experts per rank, each curve sorted by rows (built once per layer).
@@ -106,10 +118,11 @@ class GemmTable {
 double gemm_ms(const std::vector<GemmPoint>& grid, double k, double rows, bool backward);
 
 // Time of one all-to-all with row matrix M_WW (M[s][d] rows from s to d, row_bytes
-// each): per rank the larger of its sent and received bytes over each link class
-// (rows to itself are a device copy at self_GBps), intra- and inter-node links and the
-// self copy in parallel, plus the latency of each link class the group spans; the
-// slowest rank decides.
+// each, every row its own token: no dedup): the hierarchical model of a2a.h (network
+// rows to the destination node's proxy, forwarded over NVLink; hierarchical_a2a_ms with
+// link.per_peer_us and link.chunks; rows to itself a device copy at self_GBps).
+// link_bytes: bytes over links, a forwarded row on both hops. The layer time uses the
+// same functions (one implementation).
 double all_to_all_ms(const std::vector<int64_t>& M_WW, int32_t W, double row_bytes,
                      const LinkModel& link, double* link_bytes = nullptr);
 
@@ -118,12 +131,14 @@ struct LayerResult {
   bool feasible = true;
   planner::Binding binding = planner::Binding::kNone;
   std::string reason;  // the planner's, when infeasible (then no time is given)
-  // times (ms; NaN when infeasible): the slowest rank of each phase, phases in sequence
+  // times (ms; NaN when infeasible): the slowest rank of each phase, phases in sequence;
+  // the four all-to-alls by a2a.h (hierarchical, deduplicated over SimConfig::top_k)
   double fwd_ms = 0, bwd_ms = 0;
   double src_fwd_ms = 0, dispatch_ms = 0, expert_fwd_ms = 0, combine_ms = 0;
   double src_bwd_ms = 0, grad_a2a_ms = 0, expert_bwd_ms = 0, dx_a2a_ms = 0;
   double replica_ms = 0, offload_ms = 0;  // exposed (not hidden behind compute)
-  // bytes over links (rows a rank keeps are not counted), summed over ranks
+  // bytes over links (rows a rank keeps are not counted; a row a proxy forwards counts
+  // on both hops), summed over ranks
   double fwd_link_bytes = 0, bwd_link_bytes = 0, replica_bytes = 0, offload_bytes = 0;
   // bytes each rank sends into the collectives, self rows included (the EP layer's
   // stats.a2a_bytes, lrmoe/parallel/__init__.py), per rank: 5 x W, where
@@ -153,6 +168,20 @@ std::vector<LayerResult> simulate_trace(const std::string& policy, const planner
                                         const std::vector<int64_t>& loads_SLWE, int64_t steps,
                                         int64_t layers, const SimConfig& cfg, int32_t threads,
                                         const std::vector<int64_t>* previous_LWE = nullptr);
+
+// The W x E loads of cell j of a trace (j = step x layers + layer), or of the first
+// step's previous cell when asked for j < 0 (j + layers: that layer one step earlier;
+// nullptr: none). The pointer must stay valid for the whole call; the function is
+// called from several threads at once.
+using CellLoads = std::function<const int64_t*(int64_t j)>;
+
+// simulate_trace over loads the caller keeps (no copy of the trace: a benchmark or a
+// generator points into its own buffers). simulate_trace above is this over its array.
+// Throws std::invalid_argument for steps or layers < 1, threads < 1, a null pointer for
+// a cell j >= 0, or whatever the planner throws.
+std::vector<LayerResult> simulate_trace(const std::string& policy, const planner::PlanInput& base,
+                                        const CellLoads& loads, int64_t steps, int64_t layers,
+                                        const SimConfig& cfg, int32_t threads);
 
 // Batch pressure: the loads multiplied by m. A plan that does not fit is split into
 // k = 2, 3, ... micro-batches (loads ceil(m L / k)) until one fits or k > max_micro.

@@ -9,7 +9,9 @@
 // (4 x 8192 tokens x top-8), Zipf-skewed per layer (exponent 1, hot experts at random
 // ids per layer), 16 distinct draws of +-20 % noise; group g at step s takes draw
 // (s + 2 g) mod 16, so the groups of one step see different loads. Costs: the Qwen3-30B-A3B figures of docs/journal/performance.md (one point per
-// experts count, linear in rows), NVLink 370 GB/s, network 50 GB/s per GPU. c = 0.3 and
+// experts count, linear in rows) floored at the H200 roofline, NVLink 370 GB/s, network
+// 50 GB/s per GPU through the hierarchical all-to-all of sim/a2a.h (top-8 dedup, 1 us per
+// peer, 4 chunks). c = 0.3 and
 // the balance target `slack` for lrmoe (0, the library's default,
 // lrmoe.planner.DEFAULT_BALANCE_SLACK; negative: off). Prints wall seconds per policy
 // and in all.
@@ -18,6 +20,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <malloc.h>
 #include <random>
 #include <vector>
 
@@ -28,6 +31,13 @@
 using namespace lrmoe;
 
 int main(int argc, char** argv) {
+  // keep freed memory in the process: every plan allocates a few 128-256 KiB arrays
+  // (W x I cells), which glibc otherwise maps and unmaps per layer, and the kernel
+  // zeroes the fresh pages (clear_page_rep was 10-12 % of a perf profile). A process
+  // that embeds the simulator gets the same with MALLOC_MMAP_THRESHOLD_ /
+  // MALLOC_TRIM_THRESHOLD_ in its environment (glibc mallopt(3)); results do not change
+  mallopt(M_MMAP_THRESHOLD, 64 << 20);
+  mallopt(M_TRIM_THRESHOLD, 512 << 20);
   const int64_t steps = argc > 1 ? std::atoll(argv[1]) : 1000;
   const int64_t layers = argc > 2 ? std::atoll(argv[2]) : 48;
   const int gpus = argc > 3 ? std::atoi(argv[3]) : 1024;
@@ -71,9 +81,21 @@ int main(int argc, char** argv) {
                       0, 0.04 / 262144, 0.14 / 262144, 0, 1.02 / 262144, 0.33 / 262144};
   cfg.cost.h2d_GBps = 50;
   cfg.link = {8, 370, 10, 50, 20, 2100};
+  // the all-to-all of sim/a2a.h: deduplicated over the top-8, 1 us per peer, 4 chunks
+  cfg.link.per_peer_us = 1;
+  cfg.link.chunks = 4;
+  cfg.top_k = 8;
+  // the H200 roofline of one Qwen3 expert (docs/simulation.md, "Cost model")
+  cfg.cost.roofline.peak_TFLOPs = 989;
+  cfg.cost.roofline.hbm_GBps = 4800;
+  cfg.cost.roofline.launch_us = 10;
+  cfg.cost.roofline.hidden = H;
+  cfg.cost.roofline.inter = I;
   cfg.hidden = H;
 
-  const int64_t chunk = 2;  // steps per call: chunk x groups x layers x W x E loads in memory
+  // steps per call; each cell's loads are read in place from the pool (sim.h CellLoads):
+  // no per-chunk copy of 100 MB while the threads wait, one thread start per 50 steps
+  const int64_t chunk = 50;
   const int64_t per_step = groups * layers;  // (group, layer) cells of one step
   double total = 0;
   std::printf("%-8s %6s %6s %5s %4s %6s %9s %12s %12s %9s\n", "policy", "steps", "layers",
@@ -85,19 +107,18 @@ int main(int argc, char** argv) {
     const auto t0 = std::chrono::steady_clock::now();
     double sum_ms = 0, sum_mean = 0;
     int64_t ok = 0, n = 0;
-    std::vector<int64_t> loads, prev;
     for (int64_t s0 = 0; s0 < steps; s0 += chunk) {
       const int64_t ns = std::min(chunk, steps - s0);
-      loads.resize(static_cast<size_t>(ns * per_step) * cell);
-      for (int64_t s = 0; s < ns; ++s)
-        for (int64_t g = 0; g < groups; ++g) {
-          const size_t from = static_cast<size_t>(((s0 + s + 2 * g) % distinct) * layers) * cell;
-          std::copy(pool.begin() + from, pool.begin() + from + layers * cell,
-                    loads.begin() + static_cast<size_t>((s * groups + g) * layers) * cell);
-        }
-      const auto out = sim::simulate_cluster(policy, in, loads, ns, groups, layers, cfg, threads,
-                                             prev.empty() ? nullptr : &prev);
-      prev.assign(loads.end() - per_step * cell, loads.end());
+      // cell j = (s x groups + g) x layers + l of this chunk: group g at step s0 + s
+      // takes draw (s0 + s + 2 g) mod 16; j < 0 is the step before the chunk
+      const sim::CellLoads at = [&](int64_t j) -> const int64_t* {
+        const int64_t s = j >= 0 ? j / per_step : -1;
+        if (s0 + s < 0) return nullptr;
+        const int64_t g = ((j % per_step) + per_step) % per_step / layers, l = ((j % layers) + layers) % layers;
+        const int64_t draw = (s0 + s + 2 * g) % distinct;
+        return pool.data() + static_cast<size_t>(draw * layers + l) * cell;
+      };
+      const auto out = sim::simulate_cluster(policy, in, at, ns, groups, layers, cfg, threads);
       for (const auto& r : out) {
         ++n;
         if (r.feasible) { ++ok; sum_ms += r.time_ms; sum_mean += r.mean_group_ms; }

@@ -1,0 +1,73 @@
+// Step terms outside the MoE layers (step.h; docs/simulation.md, "Step terms").
+#include "sim/step.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <vector>
+
+namespace lrmoe {
+namespace sim {
+
+double ring_allreduce_ms(double bytes, int32_t n, double GBps, double latency_us) {
+  if (n < 1) throw std::invalid_argument("ring_allreduce_ms: n (ranks) must be >= 1");
+  if (bytes < 0) throw std::invalid_argument("ring_allreduce_ms: bytes must be >= 0");
+  if (latency_us < 0) throw std::invalid_argument("ring_allreduce_ms: latency_us must be >= 0");
+  if (n == 1 || bytes == 0) return 0.0;
+  if (!(GBps > 0)) throw std::invalid_argument("ring_allreduce_ms: GBps must be > 0");
+  const double steps = 2.0 * (n - 1);
+  return steps / n * bytes / (GBps * 1e6) + steps * latency_us * 1e-3;
+}
+
+double adam_step_ms(double params, double hbm_GBps, double bytes_per_param) {
+  if (params < 0) throw std::invalid_argument("adam_step_ms: params must be >= 0");
+  if (!(bytes_per_param > 0)) throw std::invalid_argument("adam_step_ms: bytes_per_param must be > 0");
+  if (!(hbm_GBps > 0)) throw std::invalid_argument("adam_step_ms: hbm_GBps must be > 0");
+  return params * bytes_per_param / (hbm_GBps * 1e6);
+}
+
+double symi_broadcast_ms(const planner::Plan& plan, const planner::PlanInput& in,
+                         const LinkModel& link) {
+  const int32_t W = plan.num_ranks, E = plan.num_experts;
+  if (plan.instance_offsets.size() != static_cast<size_t>(E) + 1)
+    throw std::invalid_argument("symi_broadcast_ms: plan.instance_offsets must hold E + 1 entries");
+  if (plan.replicas == 0) return 0.0;
+  const size_t Wz = static_cast<size_t>(W);
+  std::vector<int64_t> M(Wz * Wz, 0);
+  for (int32_t e = 0; e < E; ++e) {
+    const int32_t first = plan.instance_rank[static_cast<size_t>(plan.instance_offsets[e])];
+    for (int32_t i = plan.instance_offsets[e] + 1; i < plan.instance_offsets[e + 1]; ++i)
+      M[static_cast<size_t>(first) * Wz + static_cast<size_t>(plan.instance_rank[static_cast<size_t>(i)])] +=
+          in.memory.expert_weight_bytes;
+  }
+  return all_to_all_ms(M, W, 1.0, link);
+}
+
+StepTerms step_terms(const planner::Plan& plan, const planner::PlanInput& in,
+                     const LinkModel& link, const StepModel& m) {
+  if (m.dp_size < 1) throw std::invalid_argument("step_terms: StepModel.dp_size must be >= 1");
+  if (m.dense_grad_bytes < 0 || m.dense_params < 0 || m.expert_params < 0)
+    throw std::invalid_argument("step_terms: StepModel.dense_grad_bytes, dense_params and "
+                                "expert_params must be >= 0");
+  const int32_t W = plan.num_ranks, E = plan.num_experts;
+  // experts owned per rank (the first copy; replicas' gradients were reduced into the
+  // owner within the layer): the most any rank holds decides
+  std::vector<int32_t> owned(static_cast<size_t>(W), 0);
+  for (int32_t e = 0; e < E; ++e)
+    ++owned[static_cast<size_t>(plan.instance_rank[static_cast<size_t>(plan.instance_offsets[e])])];
+  int32_t most = 0;
+  for (int32_t k : owned) most = std::max(most, k);
+  StepTerms t;
+  const int32_t all = W * m.dp_size;
+  t.expert_allreduce_ms = ring_allreduce_ms(static_cast<double>(most) * in.memory.expert_grad_bytes,
+                                            m.dp_size, link.inter_GBps, link.inter_latency_us);
+  t.dense_allreduce_ms = ring_allreduce_ms(m.dense_grad_bytes, all, link.inter_GBps, link.inter_latency_us);
+  if (m.hbm_GBps > 0)
+    t.optimizer_ms = adam_step_ms(most * m.expert_params + m.dense_params, m.hbm_GBps);
+  else if (m.dense_params > 0 || m.expert_params > 0)
+    throw std::invalid_argument("step_terms: StepModel.hbm_GBps must be > 0 to time the optimizer");
+  if (plan.policy == planner::PolicyKind::kSymi) t.broadcast_ms = symi_broadcast_ms(plan, in, link);
+  return t;
+}
+
+}  // namespace sim
+}  // namespace lrmoe
