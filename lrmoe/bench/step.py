@@ -44,6 +44,10 @@ KINDS = (
 )
 
 
+#: kernel families listed in the profile (the most device time first)
+TOP_KERNELS = 30
+
+
 def flops_per_token(model: Any, vocab: int, seq_len: int) -> float:
     """Model FLOPs per token of one training step (module docstring).
 
@@ -104,12 +108,21 @@ def run_cell(cfg: Any, warmup: int, profile_steps: int = 0) -> Dict[str, Any]:
         vals = [r[key] for r in recs if r.get(key) is not None]
         out[key] = statistics.median(vals) if vals else None
     if prof is not None:
+        from lrmoe.bench.profile import kernel_family
+
         kinds: Dict[str, float] = {}
+        kernels: Dict[str, List[float]] = {}
         for e in prof.events():
             if e.device_type == torch.autograd.DeviceType.CUDA:
+                ms = e.device_time / 1e3 / profile_steps
                 k = _kind(e.name)
-                kinds[k] = kinds.get(k, 0.0) + e.device_time / 1e3 / profile_steps
+                kinds[k] = kinds.get(k, 0.0) + ms
+                row = kernels.setdefault(f"{k}: {kernel_family(e.name)[:90]}", [0.0, 0])
+                row[0] += ms
+                row[1] += 1 / profile_steps
         out["profile_ms"] = dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
+        out["profile_kernels"] = sorted(([n, ms, cnt] for n, (ms, cnt) in kernels.items()),
+                                        key=lambda r: -r[1])[:TOP_KERNELS]
     del result
     gc.collect()
     if torch.cuda.is_available():
@@ -190,4 +203,7 @@ def markdown(result: Dict[str, Any]) -> str:
                   "| kind | ms | share of busy |", "|---|---|---|"]
         lines += [f"| {k} | {v:.1f} | {100 * v / total:.0f} % |"
                   for k, v in prof["profile_ms"].items()]
+        lines += ["", f"The {TOP_KERNELS} kernel families with the most device time per step:", "",
+                  "| kind: kernel family | ms | launches |", "|---|---|---|"]
+        lines += [f"| {n} | {ms:.2f} | {cnt:.0f} |" for n, ms, cnt in prof.get("profile_kernels", [])]
     return "\n".join(lines) + "\n"
