@@ -43,13 +43,13 @@ def _positive(where: str, d: dict, side: str, key: str, field: str) -> float:
     return v
 
 
-def _positive_int(where: str, d: dict, key: str) -> int:
+def _positive_int(where: str, d: dict, key: str, what: str = "a whole number of GPUs") -> int:
     """``d[key]``: an integer >= 1 (``8.0`` is 8; ``8.9``, ``0.5`` and ``true`` are
     refused rather than truncated to a GPU count the user did not write)."""
     if key not in d:
         raise ValueError(f"{where}: missing '{key}'; every link file needs {_KEYS}")
     v = d[key]
-    bad = ValueError(f"{where}: {key} must be a whole number of GPUs >= 1, got {v!r}")
+    bad = ValueError(f"{where}: {key} must be {what} >= 1, got {v!r}")
     if isinstance(v, bool):
         raise bad
     if isinstance(v, int):
@@ -76,6 +76,13 @@ class Links:
     inter_GBps: float
     inter_latency_us: float
     sources: Dict[str, str]
+    #: us per distinct peer a rank exchanges with over a link class, on top of the class's
+    #: latency (csrc/sim/a2a.h hierarchical_a2a_ms); optional key ``per_peer_us``, 0: one
+    #: latency per class
+    per_peer_us: float = 0.0
+    #: chunks the network and NVLink phases of a hierarchical all-to-all are pipelined
+    #: over (csrc/sim/a2a.h); optional key ``chunks``, 1: in sequence
+    chunks: int = 1
 
     @classmethod
     def from_file(cls, path: Optional[str] = None, flag: Optional[str] = None) -> "Links":
@@ -84,7 +91,9 @@ class Links:
         Args:
             path: the YAML file: a mapping with ``gpus_per_node`` (a positive integer) and
                 ``intra_node``/``inter_node`` mappings of ``GBps`` and ``latency_us``
-                (finite numbers > 0), each optionally with ``source``/``latency_source``.
+                (finite numbers > 0), each optionally with ``source``/``latency_source``;
+                optionally ``per_peer_us`` (a finite number >= 0) and ``chunks`` (an
+                integer >= 1) for the all-to-all model of csrc/sim/a2a.h.
             flag: the command-line option that named ``path`` (``"--base-links"``); the
                 messages then start with it, so the user knows which argument to fix.
 
@@ -131,6 +140,14 @@ class Links:
         for field in ("intra_GBps", "intra_latency_us", "inter_GBps", "inter_latency_us"):
             side, key = field.split("_", 1)
             vals[field] = _positive(where, d, side + "_node", key, field)
+        if "per_peer_us" in d:
+            v = _number(where, "per_peer_us", d["per_peer_us"])
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{where}: per_peer_us must be a finite number >= 0 "
+                                 f"(us per distinct peer), got {d['per_peer_us']!r}")
+            vals["per_peer_us"] = v
+        if "chunks" in d:
+            vals["chunks"] = _positive_int(where, d, "chunks", "a whole number of chunks")
         src = {f"{side}.{k}": str(d[side].get(k, "")) for side in ("intra_node", "inter_node")
                for k in ("source", "latency_source")}
         return cls(str(d.get("name", p.stem)), sources=src, **vals)

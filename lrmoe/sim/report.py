@@ -71,8 +71,15 @@ def add_sim_arguments(p) -> None:
                    help="lrmoe: aim at most (1 + this) x the mean retained rows per rank, "
                         "with replicas (default %(default)s, as the runtime; negative: off)")
     p.add_argument("--offload", action="store_true", help="saved activations on the host")
-    p.add_argument("--pressure", nargs="*", type=float, default=[1, 2, 4, 8, 12, 16, 20, 24, 32],
-                   help="batch multipliers of Fig. 6 (none: skip)")
+    p.add_argument("--dedup-top-k", type=int, default=1, metavar="K",
+                   help="experts per token the all-to-alls deduplicate over, per rank and "
+                        "node (csrc/sim/a2a.h): 1 (default) is lrmoe's own EP layer, one row "
+                        "per (token, expert) pair; the model's top_k models a DeepEP-style "
+                        "dispatcher")
+    p.add_argument("--pressure", nargs="*", type=float, default=list(range(1, 21)),
+                   help="batch multipliers of Fig. 6 (default 1, 2, ..., 20: a 1x grid, so "
+                        "a policy's step where it stops fitting is not an artifact of "
+                        "the grid; none: skip)")
     p.add_argument("--pressure-tokens-per-gpu", type=int, default=4096,
                    help="base batch of Fig. 6 (docs/simulation.md says why 4096)")
     p.add_argument("--pressure-steps", type=int, default=2)
@@ -105,7 +112,7 @@ def _run(args, shape, costs, links, policy, loads, multiplier=0.0, memory=None):
                      balance_slack=None if args.balance_slack < 0 else args.balance_slack,
                      offload=args.offload,
                      offload_row_bytes=4 * shape.moe_intermediate_size if args.offload else 0,
-                     multiplier=multiplier)
+                     multiplier=multiplier, top_k=args.dedup_top_k)
     return res
 
 
@@ -125,6 +132,7 @@ def run_sim(args) -> dict:
     for flag, v, lo in (("--tokens-per-gpu", args.tokens_per_gpu, 1),
                         ("--layers", args.layers, 1), ("--threads", args.threads, 1),
                         ("--replica-slots", args.replica_slots, 0),
+                        ("--dedup-top-k", args.dedup_top_k, 1),
                         ("--pressure-tokens-per-gpu", args.pressure_tokens_per_gpu, 1),
                         ("--pressure-steps", args.pressure_steps, 1),
                         ("--budget-gib", args.budget_gib, 0),
@@ -182,9 +190,12 @@ def run_sim(args) -> dict:
                                 rate=args.rate, budget_gib=args.budget_gib,
                                 resident_gib=args.resident_gib, offload=args.offload,
                                 replica_slots=args.replica_slots,
-                                balance_slack=args.balance_slack),
+                                balance_slack=args.balance_slack,
+                                dedup_top_k=args.dedup_top_k),
                      costs=dict(file=args.costs, shape=costs.shape, meta=costs.meta),
-                     links=dict(name=links.name, sources=links.sources), policies={})
+                     links=dict(name=links.name, sources=links.sources,
+                                per_peer_us=links.per_peer_us, chunks=links.chunks),
+                     policies={})
     for pol in args.policies:
         res = _run(args, shape, costs, links, pol, loads)
         summ = S.summarize(res, layers)
@@ -293,23 +304,38 @@ def table1(results: str, targets: List[float], rate: float, pol: dict) -> List[d
 
 
 def scale(args, shape, costs, links, layers) -> dict:
-    """Cost per token vs cluster size: W GPUs are W / ep data-parallel copies of one EP
-    group of ep = min(W, E) ranks; one representative group is simulated, so the cost per
-    token (GPU-ms per token of one MoE layer step) is its step time / tokens per GPU."""
+    """Cost per token vs cluster size: W GPUs are Gr = W / ep data-parallel copies of an
+    EP group of ep = min(W, E) ranks, and every group is simulated on its own draws of
+    the same layers' popularity (:func:`lrmoe.sim.simulate.simulate_cluster`); a layer
+    waits for its slowest group. ``layer_ms``: mean over (step, layer) of that slowest
+    group's fwd + bwd; ``us_per_token``: it over the tokens per GPU (every GPU routes
+    its own tokens at once); ``mean_group_ms``: the mean group, so the gap is the cost
+    of waiting for the slowest."""
     out = {"gpus": list(args.scale), "policies": {p: [] for p in args.policies}}
     steps = max(1, min(args.steps, 4))
     few = min(layers, 4)
+    mem = _memory(shape, args)
     for w in args.scale:
         ep = min(w, shape.num_experts)
-        loads = cluster_loads(ep, shape.num_experts, args.tokens_per_gpu, shape.top_k,
-                                steps, few, args.skew, args.trace, args.seed + 2)
+        groups = max(1, w // ep)
+        loads = np.stack([cluster_loads(ep, shape.num_experts, args.tokens_per_gpu,
+                                        shape.top_k, steps, few, args.skew, args.trace,
+                                        args.seed + 2, group=g) for g in range(groups)],
+                         axis=1)
         for pol in args.policies:
-            s = S.summarize(_run(args, shape, costs, links, pol, loads), few)
-            ms = s["moe_ms_per_step"] / few
-            out["policies"][pol].append(dict(gpus=w, ep=ep, feasible=s["feasible"],
-                                             layer_ms=_nan(ms),
-                                             us_per_token=_nan(1e3 * ms / args.tokens_per_gpu),
-                                             reason=s["reason"]))
+            r = S.simulate_cluster(loads, pol, mem, costs, links, shape.hidden_size,
+                                   args.rate if pol == "lrmoe" else 0.0,
+                                   replica_slots=args.replica_slots, threads=args.threads,
+                                   balance_slack=None if args.balance_slack < 0
+                                   else args.balance_slack, top_k=args.dedup_top_k)
+            ok = r["feasible"] > 0
+            ms = float(np.mean(r["time_ms"])) if ok.all() else float("nan")
+            out["policies"][pol].append(dict(
+                gpus=w, ep=ep, groups=groups, feasible=float(ok.mean()), layer_ms=_nan(ms),
+                mean_group_ms=_nan(float(np.mean(r["mean_group_ms"])) if ok.all()
+                                   else float("nan")),
+                us_per_token=_nan(1e3 * ms / args.tokens_per_gpu),
+                reason="" if ok.all() else "a group's plan does not fit the budget"))
     return out
 
 

@@ -86,7 +86,7 @@ def simulate(load_SLWE: np.ndarray, policy: str, memory: MemoryModel, costs: Cos
              balance_slack: Optional[float] = DEFAULT_BALANCE_SLACK, min_replica_rows: int = 1,
              offload: bool = False, offload_row_bytes: int = 0, elem_bytes: int = 2,
              threads: int = 2, per_rank_bytes: bool = False, multiplier: float = 0.0,
-             max_micro_batches: int = 64, chunk_steps: int = 16) -> dict:
+             max_micro_batches: int = 64, chunk_steps: int = 16, top_k: int = 1) -> dict:
     """Simulate every (step, layer) of ``load_SLWE`` under ``policy``.
 
     Args:
@@ -103,6 +103,8 @@ def simulate(load_SLWE: np.ndarray, policy: str, memory: MemoryModel, costs: Cos
         multiplier: > 0: batch pressure -- every layer at ``multiplier`` x its loads, split
             into up to ``max_micro_batches`` micro-batches until one fits.
         chunk_steps: steps per simulator call (bounds memory at large W x E).
+        top_k: experts per token the all-to-alls deduplicate over (:func:`sim_config`;
+            1: lrmoe's own EP layer, one row per pair).
 
     Returns:
         dict: each of :data:`FIELDS` -> (N,) float64 in (step, layer) order; ``sent_N5W``
@@ -119,7 +121,7 @@ def simulate(load_SLWE: np.ndarray, policy: str, memory: MemoryModel, costs: Cos
         raise ValueError(f"threads must be >= 1, got {threads}")
     check_slots(replica_slots, symi_slots, load.shape[3])
     cfg = sim_config(costs, links, hidden, offload=offload, offload_row_bytes=offload_row_bytes,
-                     elem_bytes=elem_bytes, per_rank_bytes=per_rank_bytes)
+                     elem_bytes=elem_bytes, per_rank_bytes=per_rank_bytes, top_k=top_k)
     W = load.shape[2]
     inp = plan_input(W, load.shape[3], memory, recalibration_rate, "proportional",
                      replica_slots, symi_slots, max_expert_cut, 0, min_replica_rows,
@@ -152,6 +154,44 @@ def simulate(load_SLWE: np.ndarray, policy: str, memory: MemoryModel, costs: Cos
     return out
 
 
+def simulate_cluster(load_SGLWE: np.ndarray, policy: str, memory: MemoryModel, costs: Costs,
+                     links: Links, hidden: int, recalibration_rate: float = 0.0,
+                     replica_slots: int = 2, balance_slack: Optional[float] = DEFAULT_BALANCE_SLACK,
+                     threads: int = 2, top_k: int = 1) -> dict:
+    """Every expert-parallel group of a cluster (its data-parallel copies), each on its
+    own loads: a (step, layer) takes as long as its slowest group, whose gradient
+    reduction the others wait for (csrc/sim/cluster.h; docs/simulation.md, "64-1024
+    GPUs").
+
+    Args:
+        load_SGLWE: (S, Gr, Lyr, W, E) non-negative ints, Gr groups of W ranks.
+        policy ... top_k: as :func:`simulate` (offload and batch pressure are not
+            modelled here).
+
+    Returns:
+        dict of (S x Lyr,) float64 in (step, layer) order: ``feasible`` (1: every group's
+        plan fits), ``time_ms`` (the slowest group's fwd + bwd, NaN when infeasible),
+        ``slowest_group``, ``mean_group_ms`` (mean over the feasible groups).
+
+    Raises:
+        ValueError: not 5-D, threads < 1, or what the simulator refuses (naming it).
+    """
+    load = np.asarray(load_SGLWE).astype(np.int64, copy=False)
+    if load.ndim != 5:
+        raise ValueError(f"load_SGLWE must be 5-D (steps, groups, layers, W, E), got "
+                         f"{tuple(load.shape)}")
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    check_slots(replica_slots, 0, load.shape[4])
+    cfg = sim_config(costs, links, hidden, top_k=top_k)
+    inp = plan_input(load.shape[3], load.shape[4], memory, recalibration_rate, "proportional",
+                     replica_slots, 0, 0.5, 0, 1, balance_slack)
+    res = _C.sim.simulate_cluster(policy, inp, np.ascontiguousarray(load), cfg, int(threads))
+    return {"feasible": np.array([float(r.feasible) for r in res]),
+            "time_ms": np.array([r.time_ms for r in res], dtype=np.float64),
+            "slowest_group": np.array([r.slowest_group for r in res], dtype=np.float64),
+            "mean_group_ms": np.array([r.mean_group_ms for r in res], dtype=np.float64)}
+
 #: the expert GEMMs' roofline on an H200 (docs/simulation.md, "Cost model", gives the
 #: sources): dense bf16 TFLOP/s, HBM GB/s, and an assumed launch floor per grouped-GEMM
 #: pass of one rank in us
@@ -174,16 +214,21 @@ def _roofline(costs: Costs, elem_bytes: int) -> "_C.sim.Roofline":
 
 def sim_config(costs: Costs, links: Links, hidden: int, offload: bool = False,
                offload_row_bytes: int = 0, elem_bytes: int = 2,
-               per_rank_bytes: bool = False) -> "_C.sim.SimConfig":
+               per_rank_bytes: bool = False, top_k: int = 1) -> "_C.sim.SimConfig":
     """The simulator's settings as a ``lrmoe._C.sim.SimConfig``, every field set by name
     (arguments as in :func:`simulate`; the device copy of a rank's own rows runs at
     :attr:`Costs.self_copy_GBps`). The expert GEMMs are floored at the H200 roofline
     (:data:`H200_PEAK_TFLOPS`, :data:`H200_HBM_GBPS`, :data:`GEMM_LAUNCH_US`) of the cost
     file's ``dims`` (hidden, inter), and beyond the calibrated rows extrapolated along it
-    (only for a cost file measured on an H200: :func:`_roofline`).
+    (only for a cost file measured on an H200: :func:`_roofline`). The all-to-alls follow
+    csrc/sim/a2a.h: hierarchical over nodes, ``links.per_peer_us`` per distinct peer,
+    ``links.chunks`` pipelined chunks, and a token's rows deduplicated per rank and node
+    over its ``top_k`` experts (1: one row per (token, expert) pair, as lrmoe's own EP
+    layer sends; the model's top_k: a deduplicating, DeepEP-style dispatcher).
 
     Raises:
-        ValueError: ``costs.gemm_G4`` not (points, 4) with at least one point; a value a
+        ValueError: ``costs.gemm_G4`` not (points, 4) with at least one point; ``top_k``
+            not an integer >= 1; a value a
             field cannot hold (TypeError for a wrong type), naming the field.
     """
     g = np.asarray(costs.gemm_G4, dtype=np.float64)
@@ -200,9 +245,14 @@ def sim_config(costs: Costs, links: Links, hidden: int, offload: bool = False,
                             intra_latency_us=float(links.intra_latency_us),
                             inter_GBps=float(links.inter_GBps),
                             inter_latency_us=float(links.inter_latency_us),
-                            self_GBps=float(costs.self_copy_GBps))
+                            self_GBps=float(costs.self_copy_GBps),
+                            per_peer_us=float(links.per_peer_us), chunks=int(links.chunks))
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
+        raise ValueError(f"top_k (experts per token the all-to-all deduplicates over) must "
+                         f"be an integer >= 1, got {top_k!r}; 1 is lrmoe's own EP layer")
     return _C.sim.SimConfig(cost=cost, link=link, hidden=int(hidden), elem_bytes=int(elem_bytes),
                             offload=bool(offload), offload_row_bytes=int(offload_row_bytes),
+                            top_k=int(top_k),
                             per_rank_bytes=bool(per_rank_bytes))
 
 

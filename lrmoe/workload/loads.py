@@ -144,8 +144,12 @@ def trace_loads(path: os.PathLike, num_ranks: int, tokens_per_rank: Optional[int
 
 def cluster_loads(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k: int,
                   steps: int, layers: int, max_over_mean: float = 2.0,
-                  trace: Optional[str] = None, seed: int = 0) -> np.ndarray:
+                  trace: Optional[str] = None, seed: int = 0, group: int = 0) -> np.ndarray:
     """(S, Lyr, W, E) int64 routed pairs for a cluster.
+
+    ``group`` numbers one expert-parallel group of a larger cluster (its data-parallel
+    copies route other tokens through the same model): it changes the draws, never a
+    layer's popularity, so that every group of one cluster sees the same hot experts.
 
     Synthetic (``trace`` None): each layer has its own Zipf popularity with the given
     max/mean (hot experts at random ids, fixed over steps), each step a fresh multinomial
@@ -159,6 +163,8 @@ def cluster_loads(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k:
     Raises:
         ValueError: non-positive sizes, or a trace of another E / top_k.
     """
+    if group < 0:
+        raise ValueError(f"group must be >= 0 (an EP group's index), got {group}")
     if min(num_ranks, num_experts, tokens_per_rank, steps, layers) < 1:
         raise ValueError("num_ranks, num_experts, tokens_per_rank, steps and layers must be "
                          f">= 1; got {num_ranks}, {num_experts}, {tokens_per_rank}, {steps}, "
@@ -168,7 +174,8 @@ def cluster_loads(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k:
         for s in range(steps):
             for l in range(layers):
                 out[s, l] = synthetic_loads(num_ranks, num_experts, tokens_per_rank * top_k,
-                                            max_over_mean, seed=seed + 7919 * s + l,
+                                            max_over_mean,
+                                            seed=seed + 7919 * s + l + 1_000_003 * group,
                                             popularity_seed=seed + 104729 * (l + 1))
         return out
     meta, arrays = load_trace(trace)
@@ -177,7 +184,7 @@ def cluster_loads(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k:
                          f"the simulated model has E={num_experts}, top_k={top_k}")
     rec_layers = list(meta["layers"])
     rec_steps = len(arrays) // len(rec_layers)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng([seed, group] if group else seed)
     n = num_ranks * tokens_per_rank
     for s in range(steps):
         for l in range(layers):

@@ -73,3 +73,29 @@ def test_flag_names_the_option(tmp_path):
         Links.from_file(str(p), flag="--base-links")
     with pytest.raises(FileNotFoundError, match=f"^--links {tmp_path / 'no.yaml'}: no link"):
         Links.from_file(str(tmp_path / "no.yaml"), flag="--links")
+
+
+def test_the_all_to_all_model_keys_read_as_written_and_default_to_off(tmp_path):
+    """per_peer_us and chunks (csrc/sim/a2a.h): optional; absent they are 0 and 1 (one
+    latency per link class, phases in sequence); present they are taken as written."""
+    plain = Links.from_file(str(_file(tmp_path, "gpus_per_node: 8\n" + _SIDES)))
+    assert (plain.per_peer_us, plain.chunks) == (0.0, 1)
+    p = tmp_path / "b.yaml"
+    p.write_text("gpus_per_node: 8\nper_peer_us: 2.5\nchunks: 4.0\n" + _SIDES)
+    links = Links.from_file(str(p))
+    assert (links.per_peer_us, links.chunks) == (2.5, 4) and isinstance(links.chunks, int)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ("per_peer_us: -1\n", "per_peer_us must be a finite number >= 0"),
+    ("per_peer_us: .inf\n", "per_peer_us must be a finite number >= 0"),
+    ("per_peer_us: fast\n", "per_peer_us must be a number"),
+    ("chunks: 0\n", "chunks must be a whole number of chunks >= 1"),
+    ("chunks: 2.5\n", "chunks must be a whole number of chunks >= 1"),
+    ("chunks: true\n", "chunks must be a whole number of chunks >= 1"),
+])
+def test_a_bad_all_to_all_model_key_is_refused_naming_it(tmp_path, extra, needle):
+    p = _file(tmp_path, "gpus_per_node: 8\n" + extra + _SIDES)
+    with pytest.raises(ValueError, match=needle) as err:
+        Links.from_file(str(p), flag="--links")
+    assert str(err.value).startswith(f"--links {p}")

@@ -202,7 +202,7 @@ def test_sim_cli_writes_json_and_figures_labelled_simulated(tmp_path):
     rc = cli.main(["sim", "--costs", str(costs), "--model", "gpu-small", "--gpus", "2",
                    "--tokens-per-gpu", "64", "--steps", "2", "--layers", "2", "--trace",
                    str(trace), "--pressure", "1", "2", "--pressure-tokens-per-gpu", "64",
-                   "--results", str(results), "--targets", "4.0", "--scale", "2", "4",
+                   "--results", str(results), "--targets", "4.0", "--scale", "2", "4", "256",
                    "--threads", "1", "--out", str(out)])
     assert rc == 0
     data = json.loads((out / "sim.json").read_text())
@@ -218,7 +218,13 @@ def test_sim_cli_writes_json_and_figures_labelled_simulated(tmp_path):
     assert (row["steps_c0"], row["steps_rate"]) == (20, 30)
     assert row["lrmoe"] == pytest.approx(30 * data["policies"]["lrmoe"]["moe_ms_per_step"]
                                          / 60000.0)
-    assert [r["gpus"] for r in data["scale"]["policies"]["fixed"]] == [2, 4]
+    assert [r["gpus"] for r in data["scale"]["policies"]["fixed"]] == [2, 4, 256]
+    # 256 GPUs: two data-parallel copies of an EP128 group, both simulated; the cluster
+    # waits for the slower, so it is never below the mean group
+    for rows in data["scale"]["policies"].values():
+        assert [(r["ep"], r["groups"]) for r in rows] == [(2, 1), (4, 1), (128, 2)]
+        assert rows[2]["layer_ms"] >= rows[2]["mean_group_ms"] > 0
+        assert rows[0]["layer_ms"] == pytest.approx(rows[0]["mean_group_ms"])
     assert [r["multiplier"] for r in data["pressure"]["policies"]["lrmoe"]] == [1, 2]
     for png in ("fig6_pressure.png", "fig7_memory.png", "fig8_latency.png", "scale.png"):
         assert (out / png).stat().st_size > 1000
@@ -298,8 +304,9 @@ def test_validate_ep_simulates_every_ranks_routing_and_its_policy(tmp_path):
     rank's own routing (set s of rank r: seed s + 1000 r, counted here with bincount).
     With the hand cost file (copy bandwidth 0: a rank's rows to itself are free) the
     fixed-ownership dispatch of a set (the record without a policy) is, by the link model of docs/simulation.md,
-    latency + max over ranks of max(rows out, rows in) x H x 2 bytes / bandwidth,
-    computed here from the counts; the errors are simulated / measured - 1."""
+    latency + the per-peer setup of its one peer + max over ranks of max(rows out, rows
+    in) x H x 2 bytes / bandwidth, computed here from the counts (one node: no network
+    phase to pipeline with); the errors are simulated / measured - 1."""
     from lrmoe.sim import validate as V
     from lrmoe.workload.routing import make_routing
     costs = _hand_cost_file(tmp_path / "c.json")
@@ -331,7 +338,8 @@ def test_validate_ep_simulates_every_ranks_routing_and_its_policy(tmp_path):
         inn = [int(sum(loads[s, 0, q][owner == r].sum() for q in range(W) if q != r))
                for r in range(W)]
         worst = max(max(o, i) for o, i in zip(out, inn))
-        dispatch.append(links.intra_latency_us * 1e-3 + worst * H * 2 / (links.intra_GBps * 1e6))
+        dispatch.append((links.intra_latency_us + links.per_peer_us) * 1e-3
+                        + worst * H * 2 / (links.intra_GBps * 1e6))
     fixed = rows[0]
     # the bench's all-to-all ranges come from its profiled step on input set 0
     assert fixed["sim_dispatch_ms"] == pytest.approx(dispatch[0], rel=1e-9)
@@ -424,3 +432,58 @@ def test_sim_config_floors_h200_costs_at_the_roofline():
 def _links():
     from lrmoe.sim.links import Links
     return Links.from_file()
+
+
+def test_sim_config_carries_the_all_to_all_model_and_refuses_a_bad_top_k():
+    """The link file's per_peer_us and chunks, and top_k, reach the C++ config as given;
+    a top_k that is not an integer >= 1 is refused naming it."""
+    from lrmoe.sim.simulate import sim_config
+    c = _toy_costs()
+    links = dataclasses.replace(_links(), per_peer_us=3.0, chunks=5)
+    cfg = sim_config(c, links, 64, top_k=8)
+    assert (cfg.link.per_peer_us, cfg.link.chunks, cfg.top_k) == (3.0, 5, 8)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="top_k"):
+            sim_config(c, links, 64, top_k=bad)
+
+
+def test_simulate_cluster_waits_for_the_slowest_group():
+    """Three groups of W = 4 on their own loads: each (step, layer) of the cluster takes
+    the max over groups of that group simulated alone (simulate, the per-group path),
+    reports which group that was, and the mean over groups."""
+    from lrmoe.sim import simulate as S
+    from lrmoe.planner.plan import MemoryModel
+    W, E, H, G, steps, layers = 4, 8, 64, 3, 2, 2
+    rng = np.random.default_rng(5)
+    load = rng.integers(0, 60, size=(steps, G, layers, W, E)).astype(np.int64)
+    load[:, 1] *= 3  # group 1 routes 3x the rows: the slowest, always
+    mem = MemoryModel(1, 1, 1, 1, 1, 1 << 40, 0, optimizer_on_device=False)
+    for pol in ("fixed", "ultraep", "lrmoe"):
+        rate = 0.3 if pol == "lrmoe" else 0.0
+        got = S.simulate_cluster(load, pol, mem, _toy_costs(), _links(), H, rate,
+                                 replica_slots=1, threads=2, top_k=2)
+        each = np.stack([S.simulate(load[:, g], pol, mem, _toy_costs(), _links(), H, rate,
+                                    replica_slots=1, threads=1, top_k=2)["time_ms"]
+                         for g in range(G)])  # (G, S x Lyr)
+        assert got["feasible"].tolist() == [1.0] * steps * layers
+        assert got["time_ms"] == pytest.approx(each.max(axis=0), rel=1e-12)
+        assert got["slowest_group"].tolist() == each.argmax(axis=0).tolist()
+        assert got["mean_group_ms"] == pytest.approx(each.mean(axis=0), rel=1e-12)
+    with pytest.raises(ValueError, match="5-D"):
+        S.simulate_cluster(load[0], "fixed", mem, _toy_costs(), _links(), H)
+
+
+def test_cluster_loads_groups_share_popularity_not_draws():
+    """group g of a cluster: other draws of the same layers' Zipf popularity. Group 0 is
+    the single-group loads (unchanged); every group's load sums per layer match; over
+    many steps the groups agree on each layer's hottest expert."""
+    from lrmoe.workload.loads import cluster_loads
+    a = cluster_loads(4, 16, 256, 2, 40, 2, 4.0, seed=1)
+    b = cluster_loads(4, 16, 256, 2, 40, 2, 4.0, seed=1, group=1)
+    assert np.array_equal(a, cluster_loads(4, 16, 256, 2, 40, 2, 4.0, seed=1, group=0))
+    assert not np.array_equal(a, b)
+    assert np.array_equal(a.sum(axis=(2, 3)), b.sum(axis=(2, 3)))
+    for layer in range(2):
+        assert a[:, layer].sum(axis=(0, 1)).argmax() == b[:, layer].sum(axis=(0, 1)).argmax()
+    with pytest.raises(ValueError, match="group"):
+        cluster_loads(4, 16, 256, 2, 1, 1, group=-1)
