@@ -518,7 +518,10 @@ class Trainer:
         evals = [r for r in read_metrics(self.out_dir / METRICS_FILE) if r["kind"] == "eval"]
         run_tokens = sum(r["tokens"] for r in self._records)
         if self.device.type == "cuda":
-            memory = {"peak_cuda_memory_gib": torch.cuda.max_memory_allocated(self.device) / 2**30}
+            # The card's name: lent machines change between sessions (H100 / H200) and a
+            # table must never mix timings of two cards unknowingly.
+            memory = {"peak_cuda_memory_gib": torch.cuda.max_memory_allocated(self.device) / 2**30,
+                      "device_name": torch.cuda.get_device_name(self.device)}
         else:
             memory = {"max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
         train_time = sum(r["time_s"] for r in self._records)
