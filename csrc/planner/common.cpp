@@ -173,10 +173,12 @@ Plan assemble(const PlanInput& in, PolicyKind kind, const Layout& lay,
   for (int32_t e = 0; e < E; ++e) {
     const int32_t off = p.instance_offsets[e];
     const int32_t n = p.instance_offsets[e + 1] - off;
+    int64_t n_e = 0;  // a local sum: through n_E[e] each add waited on the last store
     for (int32_t s = 0; s < W; ++s) {
       L_W[s] = in.load_WE[static_cast<size_t>(s) * E + e];
-      n_E[e] += L_W[s];
+      n_e += L_W[s];
     }
+    n_E[e] = n_e;
     split_forward(L_W.data(), W, lay.rank.data() + off, lay.rows.data() + off, n,
                   p.forward_IW.data() + static_cast<int64_t>(off) * W, node_size(in),
                   in.spare_capacity_split);

@@ -68,28 +68,32 @@ bool place(const std::vector<int64_t>& r_E, const std::vector<int64_t>& unit_E,
            const std::vector<int32_t>& offsets, std::vector<int32_t>* rank_I) {
   std::vector<int32_t> free_W(static_cast<size_t>(W), S);
   std::vector<int64_t> load_W(static_cast<size_t>(W), 0);
+  auto before = [&](int32_t a, int32_t b) {
+    if (most_free_first && free_W[a] != free_W[b]) return free_W[a] > free_W[b];
+    if (load_W[a] != load_W[b]) return load_W[a] < load_W[b];
+    return a < b;
+  };
+  // the GPUs with a free slot, kept sorted by `before` (a strict order: the index is
+  // the last key): an expert's r_e instances go to the first r_e, and only those change
+  // their keys, so they alone move (selecting r_e minima of a fresh list per expert
+  // was r_e scans of W)
   std::vector<int32_t> cand(static_cast<size_t>(W));
+  std::iota(cand.begin(), cand.end(), 0);
+  if (S <= 0) cand.clear();
+  std::sort(cand.begin(), cand.end(), before);
+  std::vector<int32_t> picked;
   for (int32_t e : order) {
-    cand.clear();
-    for (int32_t r = 0; r < W; ++r)
-      if (free_W[r] > 0) cand.push_back(r);
     if (static_cast<int64_t>(cand.size()) < r_E[e]) return false;
-    auto before = [&](int32_t a, int32_t b) {
-      if (most_free_first && free_W[a] != free_W[b]) return free_W[a] > free_W[b];
-      if (load_W[a] != load_W[b]) return load_W[a] < load_W[b];
-      return a < b;
-    };
-    // selection of the r_e first candidates (W is small: no heap as partial_sort builds)
+    picked.assign(cand.begin(), cand.begin() + r_E[e]);
+    cand.erase(cand.begin(), cand.begin() + r_E[e]);
     for (int64_t k = 0; k < r_E[e]; ++k) {
-      auto best = std::min_element(cand.begin() + k, cand.end(), before);
-      std::iter_swap(cand.begin() + k, best);
-    }
-    for (int64_t k = 0; k < r_E[e]; ++k) {
-      const int32_t r = cand[static_cast<size_t>(k)];
+      const int32_t r = picked[static_cast<size_t>(k)];
       (*rank_I)[offsets[e] + k] = r;
       free_W[r] -= 1;
       load_W[r] += unit_E[e];
     }
+    for (int32_t r : picked)
+      if (free_W[r] > 0) cand.insert(std::lower_bound(cand.begin(), cand.end(), r, before), r);
   }
   return true;
 }

@@ -13,8 +13,8 @@
 // grads reserved on every rank whether filled or not (UltraEP allocates them once and
 // shares them across layers); forward and backward rows where the split puts them.
 #include <algorithm>
+#include <cstddef>
 #include <numeric>
-#include <set>
 #include <utility>
 
 #include "planner/common.h"
@@ -26,6 +26,16 @@ namespace planner {
 namespace {
 
 using Export = detail::Replica;
+
+// A candidate target of the oracle: ordered by slack descending, then rank ascending
+// (plain fields, so that moving entries of a sorted array is a memmove).
+struct Key {
+  int64_t neg_slack;
+  int32_t rank;
+  bool operator<(const Key& o) const {
+    return neg_slack != o.neg_slack ? neg_slack < o.neg_slack : rank < o.rank;
+  }
+};
 
 class UltraEPPolicy final : public Policy {
  public:
@@ -49,6 +59,13 @@ class UltraEPPolicy final : public Policy {
       std::stable_sort(experts.begin() + r * per, experts.begin() + (r + 1) * per,
                        [&](int32_t a, int32_t b) { return n_E[a] > n_E[b]; });
 
+    // ranks by (load, rank) ascending: the probes' candidate order by (slack desc, rank
+    // asc) while no export has changed a slack, for every tau
+    std::vector<int32_t> by_load(static_cast<size_t>(W));
+    std::iota(by_load.begin(), by_load.end(), 0);
+    std::sort(by_load.begin(), by_load.end(), [&](int32_t a, int32_t b) {
+      return load_W[a] != load_W[b] ? load_W[a] < load_W[b] : a < b;
+    });
     const int64_t total = std::accumulate(load_W.begin(), load_W.end(), int64_t(0));
     int64_t hi = *std::max_element(load_W.begin(), load_W.end());
     int64_t lo = std::min(hi, (total + W - 1) / W);
@@ -57,7 +74,7 @@ class UltraEPPolicy final : public Policy {
     // (best: the exports of the last accepted probe, which is tau*)
     while (lo < hi) {
       const int64_t mid = lo + (hi - lo) / 2;
-      if (oracle(in, mid, n_E, load_W, ranks, experts, &probe)) {
+      if (oracle(in, mid, n_E, load_W, ranks, by_load, experts, &probe)) {
         hi = mid;
         best.swap(probe);
       } else {
@@ -80,7 +97,8 @@ class UltraEPPolicy final : public Policy {
  private:
   bool oracle(const PlanInput& in, int64_t tau, const std::vector<int64_t>& n_E,
               const std::vector<int64_t>& load_W, const std::vector<int32_t>& ranks,
-              const std::vector<int32_t>& experts, std::vector<Export>* out) const {
+              const std::vector<int32_t>& by_load, const std::vector<int32_t>& experts,
+              std::vector<Export>* out) const {
     const int32_t W = in.num_ranks, E = in.num_experts, per = E / W;
     const int32_t G = detail::node_size(in);  // node(r) = r / G
     out->clear();
@@ -94,11 +112,14 @@ class UltraEPPolicy final : public Policy {
       sum_slack += slack[r];
     }
     if (sum_excess > sum_slack) return false;
-    // candidate targets by (slack desc, rank asc): the first one not hosting e is the
-    // argmax of the oracle (ties to the lower rank), in O(log W) instead of a scan
-    std::set<std::pair<int64_t, int32_t>> open;
-    for (int32_t j = 0; j < W; ++j)
-      if (free_slots[j] > 0 && slack[j] > 0) open.insert({-slack[j], j});
+    // candidate targets by (slack desc, rank asc), a sorted array of (-slack, rank): the
+    // first one not hosting e is the argmax of the oracle (ties to the lower rank). It
+    // starts as the ranks below tau in load order (no sort per probe), and an export
+    // moves one entry (a std::set allocated a node for every rank of every probe)
+    thread_local std::vector<Key> open;
+    open.clear();
+    for (int32_t j : by_load)
+      if (free_slots[j] > 0 && slack[j] > 0) open.push_back({-slack[j], j});
     std::vector<int32_t> hosts;
     for (int32_t r : ranks) {
       if (excess[r] == 0) break;  // ranks are visited by load descending
@@ -110,21 +131,32 @@ class UltraEPPolicy final : public Policy {
           // the most slack on r's node first (UltraEP keeps replicas inside the NVLink
           // domain: ../shared/policies.md), else anywhere
           int32_t t = -1, t_far = -1;
-          for (const auto& cand : open) {
-            if (std::find(hosts.begin(), hosts.end(), cand.second) != hosts.end()) continue;
-            if (cand.second / G == r / G) { t = cand.second; break; }
-            if (t_far < 0) t_far = cand.second;
+          size_t at = 0, at_far = 0;  // t's entry in `open`
+          for (size_t c = 0; c < open.size(); ++c) {
+            const int32_t j = open[c].rank;
+            if (std::find(hosts.begin(), hosts.end(), j) != hosts.end()) continue;
+            if (j / G == r / G) { t = j; at = c; break; }
+            if (t_far < 0) { t_far = j; at_far = c; }
           }
-          if (t < 0) t = t_far;
+          if (t < 0) { t = t_far; at = at_far; }
           if (t < 0) break;
           const int64_t q = std::min({excess[r], slack[t], avail});
           if (q < in.min_replica_rows) break;  // a replica carries at least u_min rows
           out->push_back({e, t, q});
           hosts.push_back(t);
-          open.erase({-slack[t], t});
           slack[t] -= q;
           free_slots[t] -= 1;
-          if (free_slots[t] > 0 && slack[t] > 0) open.insert({-slack[t], t});
+          if (free_slots[t] > 0 && slack[t] > 0) {
+            // less slack: the entry moves towards the end, past the entries now before it
+            const Key k{-slack[t], t};
+            const auto to = std::lower_bound(open.begin() + static_cast<std::ptrdiff_t>(at) + 1,
+                                             open.end(), k);
+            std::copy(open.begin() + static_cast<std::ptrdiff_t>(at) + 1, to,
+                      open.begin() + static_cast<std::ptrdiff_t>(at));
+            *(to - 1) = k;
+          } else {
+            open.erase(open.begin() + static_cast<std::ptrdiff_t>(at));
+          }
           excess[r] -= q;
           avail -= q;
         }

@@ -56,11 +56,33 @@ void expected_dispatch(const std::vector<int64_t>& M_WW, int32_t W, int32_t K, i
                        TokenDispatch* out);
 TokenDispatch expected_dispatch(const std::vector<int64_t>& M_WW, int32_t W, int32_t K, int32_t G);
 
+// expected_dispatch of M_WW given as its transpose, M_t[d * W + s] = M[s][d] (W x W:
+// one row per computing rank, which is how sim.cpp builds it from a plan's instances).
+// The same result bit for bit: every sum is taken in expected_dispatch's order (the
+// row-major overload above is this over the transpose). Throws as expected_dispatch.
+void expected_dispatch_transposed(const int64_t* M_t, int32_t W, int32_t K, int32_t G,
+                                  TokenDispatch* out);
+
+// One nonzero entry of a sparse pair matrix: `pairs` from source s to rank d.
+struct PairCell {
+  int32_t s = 0, d = 0;
+  int64_t pairs = 0;
+};
+
+// expected_dispatch of the W x W matrix whose entries are `cells` (sorted by (s, d),
+// each (s, d) at most once; every other entry 0), in time linear in the cells: a
+// layer's replica copies are a few cells of a W x W matrix. The same result bit for
+// bit. Throws as expected_dispatch, and for cells out of order or outside [0, W).
+void expected_dispatch_sparse(const std::vector<PairCell>& cells, int32_t W, int32_t K, int32_t G,
+                              TokenDispatch* out);
+
 // The same rows in the opposite direction (combine after dispatch, dx after the
 // gradient): sent <-> received and the peer counts with them; the proxies now reduce
 // a token's rows of their node into one network row (what a dispatch deduplicated a
 // combine sums; DeepEP's combine does this).
 TokenDispatch reversed(const TokenDispatch& d);
+// The same into *out, reusing its storage (out != &d).
+void reversed(const TokenDispatch& d, TokenDispatch* out);
 
 // The hierarchical all-to-all time of `d`: a network phase (per rank the larger of its
 // sent and received network rows at inter_GBps, plus inter_latency_us and per_peer_us

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -79,6 +80,21 @@ double marginal_eta(const std::vector<std::vector<std::pair<double, double>>>& c
     }
   }
   return eta;
+}
+
+// Sorts replica cells by (source, rank) and merges repeated ones (a sum per matrix
+// entry, as the dense matrices added them): expected_dispatch_sparse's input.
+void sorted_cells(std::vector<PairCell>* cells) {
+  std::vector<PairCell>& v = *cells;
+  std::sort(v.begin(), v.end(), [](const PairCell& a, const PairCell& b) {
+    return a.s != b.s ? a.s < b.s : a.d < b.d;
+  });
+  size_t k = 0;
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (k > 0 && v[k - 1].s == v[i].s && v[k - 1].d == v[i].d) v[k - 1].pairs += v[i].pairs;
+    else v[k++] = v[i];
+  }
+  v.resize(k);
 }
 
 }  // namespace
@@ -161,8 +177,14 @@ double all_to_all_ms(const std::vector<int64_t>& M_WW, int32_t W, double row_byt
   return hierarchical_a2a_ms(d, row_bytes, link);
 }
 
-LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& in,
-                          const SimConfig& cfg) {
+namespace {
+
+// simulate_plan with the grouped-GEMM table built at most once per trace: *gemm is
+// built from cfg on the first feasible plan (GemmTable's constructor sorts the grid into
+// a map, which per layer was a measurable share of simulate_trace; an infeasible plan
+// never needs it, so an empty grid still throws only where a plan is timed).
+LayerResult time_plan(const planner::Plan& plan, const planner::PlanInput& in,
+                      const SimConfig& cfg, std::optional<GemmTable>* gemm_cache) {
   const int32_t W = plan.num_ranks, E = plan.num_experts;
   const size_t Wz = static_cast<size_t>(W);
   LayerResult res;
@@ -171,8 +193,9 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
   res.reason = plan.reason;
   res.limit_bytes = plan.limit_bytes;
   res.replicas = plan.replicas;
-  for (int32_t e = 0; e < E; ++e) res.retained += plan.quota_E[e];
-  for (int64_t v : in.load_WE) res.pairs += v;
+  int64_t retained = 0;  // a local: a sum into res.* stored on every entry
+  for (int32_t e = 0; e < E; ++e) retained += plan.quota_E[e];
+  res.retained = retained;
   // memory: each part's maximum over ranks and the largest rank's total
   for (const auto& m : plan.memory_W) {
     res.memory_max.base_experts = std::max(res.memory_max.base_experts, m.base_experts);
@@ -181,11 +204,41 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
     res.memory_max.backward_tokens = std::max(res.memory_max.backward_tokens, m.backward_tokens);
     res.memory_peak = std::max(res.memory_peak, m.total());
   }
+  // pairs per source, and in all (integers: the sum source by source is exact)
+  std::vector<int64_t> P_W(Wz, 0);
+  int64_t pairs = 0;
+  for (int32_t s = 0; s < W; ++s) {
+    const int64_t* L_E = in.load_WE.data() + static_cast<size_t>(s) * E;
+    int64_t P = 0;
+    for (int32_t e = 0; e < E; ++e) P += L_E[e];
+    P_W[s] = P;
+    pairs += P;
+  }
+  res.pairs = pairs;
   const double rb = static_cast<double>(cfg.hidden * cfg.elem_bytes);  // one activation row
   // rows per (source, rank) and per-rank counts
   if (cfg.link.gpus_per_node < 1) throw std::invalid_argument("gpus_per_node must be >= 1");
   const int32_t G = cfg.link.gpus_per_node;
-  std::vector<int64_t> P_W(Wz, 0), R_W(Wz, 0), recv_f_W(Wz, 0), recv_b_W(Wz, 0);
+  double mean_f = 0, mean_b = 0, max_f = 0, max_b = 0;
+  for (int32_t r = 0; r < W; ++r) {
+    mean_f += plan.forward_rows_W[r]; mean_b += plan.backward_rows_W[r];
+    max_f = std::max(max_f, double(plan.forward_rows_W[r]));
+    max_b = std::max(max_b, double(plan.backward_rows_W[r]));
+  }
+  mean_f /= W; mean_b /= W;
+  res.fwd_imbalance = mean_f > 0 ? max_f / mean_f : 1.0;
+  res.bwd_imbalance = mean_b > 0 ? max_b / mean_b : 1.0;
+  // an infeasible plan is reported, never timed: only the per-rank bytes (when asked
+  // for) need its (instance, source) cells
+  const bool timed = plan.feasible;
+  if (!timed && !cfg.per_rank_bytes) {
+    for (double* t : {&res.fwd_ms, &res.bwd_ms, &res.src_fwd_ms, &res.dispatch_ms,
+                      &res.expert_fwd_ms, &res.combine_ms, &res.src_bwd_ms, &res.grad_a2a_ms,
+                      &res.expert_bwd_ms, &res.dx_a2a_ms, &res.replica_ms, &res.offload_ms})
+      *t = kNaN;
+    return res;
+  }
+  std::vector<int64_t> R_W(Wz, 0), recv_f_W(Wz, 0), recv_b_W(Wz, 0);
   // each instance's rows per rank; kept per thread so that their capacity is reused
   // from layer to layer (simulate_trace runs millions of layers)
   thread_local std::vector<std::vector<double>> rows_f_W, rows_b_W;
@@ -195,17 +248,22 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
     rows_f_W[r].clear();
     rows_b_W[r].clear();
   }
-  // pair rows from source s computed on rank d (W x W) forward and retained, and replica
-  // bytes from rank a to rank b, forward and backward: the all-to-alls' inputs (a2a.h)
-  thread_local std::vector<int64_t> Mf, Mb, rep_f, rep_b, Mf_t, Mb_t;
-  for (auto* v : {&rep_f, &rep_b, &Mf_t, &Mb_t}) v->assign(Wz * Wz, 0);
-  Mf.resize(Wz * Wz);
-  Mb.resize(Wz * Wz);
+  // pair rows from source s computed on rank d, forward and retained, as their
+  // transposes (row d: what rank d computes, contiguous; a2a.h takes them so, and the
+  // column writes of M[s][d] were a tenth of the simulator's time), and the replica
+  // bytes from rank a to rank b, forward and backward, as sparse cells (a handful per
+  // layer; dense W x W matrices cost two clears and two scans each)
+  thread_local std::vector<int64_t> Mf_t, Mb_t;
+  thread_local std::vector<uint8_t> filled_W;  // rank rows of Mf_t / Mb_t written so far
+  thread_local std::vector<PairCell> rep_f, rep_b;
+  Mf_t.resize(Wz * Wz);
+  Mb_t.resize(Wz * Wz);
+  filled_W.assign(Wz, 0);
+  rep_f.clear();
+  rep_b.clear();
   // replica weights stream per layer (ultraep, lrmoe); symi places its copies with the
   // weight update of the step before, off the layer's critical path
   const bool stream = plan.policy != planner::PolicyKind::kSymi;
-  for (int32_t s = 0; s < W; ++s)
-    for (int32_t e = 0; e < E; ++e) P_W[s] += in.load_WE[static_cast<size_t>(s) * E + e];
   for (int32_t e = 0; e < E; ++e) {
     const int32_t owner = plan.instance_rank[plan.instance_offsets[e]];
     for (int32_t i = plan.instance_offsets[e]; i < plan.instance_offsets[e + 1]; ++i) {
@@ -213,17 +271,27 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
       int64_t f = 0, b = 0;
       const int64_t* F_W = plan.forward_IW.data() + static_cast<size_t>(i) * W;
       const int64_t* B_W = plan.retained_IW.data() + static_cast<size_t>(i) * W;
-      // rank r's row of the transposes (contiguous: this loop vectorises; the column
-      // writes it replaced were a tenth of the simulator's time)
       int64_t* Mf_r = Mf_t.data() + static_cast<size_t>(r) * Wz;
       int64_t* Mb_r = Mb_t.data() + static_cast<size_t>(r) * Wz;
-      for (int32_t s = 0; s < W; ++s) {
-        const int64_t fi = F_W[s], bi = B_W[s];
-        f += fi;
-        b += bi;
-        R_W[s] += bi;
-        Mf_r[s] += fi;
-        Mb_r[s] += bi;
+      if (!filled_W[r]) {  // the rank's first instance writes its rows (no clear first)
+        filled_W[r] = 1;
+        for (int32_t s = 0; s < W; ++s) {
+          const int64_t fi = F_W[s], bi = B_W[s];
+          f += fi;
+          b += bi;
+          R_W[s] += bi;
+          Mf_r[s] = fi;
+          Mb_r[s] = bi;
+        }
+      } else {
+        for (int32_t s = 0; s < W; ++s) {
+          const int64_t fi = F_W[s], bi = B_W[s];
+          f += fi;
+          b += bi;
+          R_W[s] += bi;
+          Mf_r[s] += fi;
+          Mb_r[s] += bi;
+        }
       }
       if (f > 0) rows_f_W[r].push_back(static_cast<double>(f));
       if (b > 0) rows_b_W[r].push_back(static_cast<double>(b));
@@ -232,20 +300,17 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
       if (i != plan.instance_offsets[e] && stream) {
         // weights to the replica for the forward, again for the backward (the slot is
         // reused across layers), its gradient reduced back into the owner's
-        rep_f[static_cast<size_t>(owner) * Wz + r] += in.memory.expert_weight_bytes;
-        rep_b[static_cast<size_t>(owner) * Wz + r] += in.memory.expert_weight_bytes;
-        rep_b[static_cast<size_t>(r) * Wz + owner] += in.memory.expert_grad_bytes;
+        rep_f.push_back({owner, r, in.memory.expert_weight_bytes});
+        rep_b.push_back({owner, r, in.memory.expert_weight_bytes});
+        rep_b.push_back({r, owner, in.memory.expert_grad_bytes});
       }
     }
   }
-  // M[s][d] from the transposes, in 32 x 32 tiles (cache-friendly)
-  for (size_t d0 = 0; d0 < Wz; d0 += 32)
-    for (size_t s0 = 0; s0 < Wz; s0 += 32)
-      for (size_t d = d0; d < std::min(Wz, d0 + 32); ++d)
-        for (size_t s = s0; s < std::min(Wz, s0 + 32); ++s) {
-          Mf[s * Wz + d] = Mf_t[d * Wz + s];
-          Mb[s * Wz + d] = Mb_t[d * Wz + s];
-        }
+  for (size_t r = 0; r < Wz; ++r)  // ranks without an instance receive nothing
+    if (!filled_W[r]) {
+      std::fill(Mf_t.begin() + r * Wz, Mf_t.begin() + (r + 1) * Wz, int64_t(0));
+      std::fill(Mb_t.begin() + r * Wz, Mb_t.begin() + (r + 1) * Wz, int64_t(0));
+    }
   // bytes each rank sends into each collective, self rows included (the EP layer's count)
   const int64_t rbi = cfg.hidden * cfg.elem_bytes;
   if (cfg.per_rank_bytes) res.sent_bytes_5W.assign(5 * Wz, 0);
@@ -257,16 +322,7 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
     res.sent_bytes_5W[3 * Wz + s] = R_W[s] * 4;
     res.sent_bytes_5W[4 * Wz + s] = recv_b * rbi;
   }
-  double mean_f = 0, mean_b = 0, max_f = 0, max_b = 0;
-  for (int32_t r = 0; r < W; ++r) {
-    mean_f += plan.forward_rows_W[r]; mean_b += plan.backward_rows_W[r];
-    max_f = std::max(max_f, double(plan.forward_rows_W[r]));
-    max_b = std::max(max_b, double(plan.backward_rows_W[r]));
-  }
-  mean_f /= W; mean_b /= W;
-  res.fwd_imbalance = mean_f > 0 ? max_f / mean_f : 1.0;
-  res.bwd_imbalance = mean_b > 0 ? max_b / mean_b : 1.0;
-  if (!plan.feasible) {  // reported, never timed
+  if (!timed) {
     for (double* t : {&res.fwd_ms, &res.bwd_ms, &res.src_fwd_ms, &res.dispatch_ms,
                       &res.expert_fwd_ms, &res.combine_ms, &res.src_bwd_ms, &res.grad_a2a_ms,
                       &res.expert_bwd_ms, &res.dx_a2a_ms, &res.replica_ms, &res.offload_ms})
@@ -275,18 +331,20 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
   }
   const PerRowCosts& c = cfg.cost.per_row;
   const double ep_f = W > 1 ? c.ep_fwd : 0.0, ep_b = W > 1 ? c.ep_bwd : 0.0;
-  const GemmTable gemm(cfg.cost.gemm, cfg.cost.roofline);
+  if (!gemm_cache->has_value()) gemm_cache->emplace(cfg.cost.gemm, cfg.cost.roofline);
+  const GemmTable& gemm = **gemm_cache;
   // the four token all-to-alls (a2a.h): dispatch and gradient rows from sources to
   // expert ranks, deduplicated over the token's top_k experts; combine and dx the same
   // rows back (reversed). Row sizes as the EP layer's: x rows, y + fp32 phi_sq, gradient
   // + int32 position, dx rows
-  thread_local TokenDispatch Df, Db;
-  expected_dispatch(Mf, W, cfg.top_k, G, &Df);
+  thread_local TokenDispatch Df, Db, Df_back, Db_back;
+  expected_dispatch_transposed(Mf_t.data(), W, cfg.top_k, G, &Df);
   // every row retained (the baselines, c = 0): the gradient's rows are the dispatch's,
   // so is their dedup; comparing is a tenth of recomputing it
-  if (Mb == Mf) Db = Df;
-  else expected_dispatch(Mb, W, cfg.top_k, G, &Db);
-  const TokenDispatch Df_back = reversed(Df), Db_back = reversed(Db);
+  if (Mb_t == Mf_t) Db = Df;
+  else expected_dispatch_transposed(Mb_t.data(), W, cfg.top_k, G, &Db);
+  reversed(Df, &Df_back);
+  reversed(Db, &Db_back);
   res.dispatch_ms = hierarchical_a2a_ms(Df, rb, cfg.link);
   res.combine_ms = hierarchical_a2a_ms(Df_back, rb + 4, cfg.link);
   res.grad_a2a_ms = hierarchical_a2a_ms(Db, rb + 4, cfg.link);
@@ -319,10 +377,12 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
   double rep_f_bytes = 0, rep_b_bytes = 0, t_rep_f = 0, t_rep_b = 0;
   if (stream && res.replicas > 0) {
     thread_local TokenDispatch Dr;
-    expected_dispatch(rep_f, W, 1, G, &Dr);
+    sorted_cells(&rep_f);
+    expected_dispatch_sparse(rep_f, W, 1, G, &Dr);
     t_rep_f = hierarchical_a2a_ms(Dr, 1.0, cfg.link);
     rep_f_bytes = link_bytes(Dr, 1.0);
-    expected_dispatch(rep_b, W, 1, G, &Dr);
+    sorted_cells(&rep_b);
+    expected_dispatch_sparse(rep_b, W, 1, G, &Dr);
     t_rep_b = hierarchical_a2a_ms(Dr, 1.0, cfg.link);
     rep_b_bytes = link_bytes(Dr, 1.0);
   }
@@ -343,6 +403,14 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
   res.fwd_ms = fwd + rep_f_exposed + off_f;
   res.bwd_ms = bwd + rep_b_exposed + off_b;
   return res;
+}
+
+}  // namespace
+
+LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& in,
+                          const SimConfig& cfg) {
+  std::optional<GemmTable> gemm;
+  return time_plan(plan, in, cfg, &gemm);
 }
 
 LayerResult simulate_layer(const std::string& policy, const planner::PlanInput& input,
@@ -384,6 +452,7 @@ std::vector<LayerResult> simulate_trace(const std::string& policy, const planner
   std::atomic<int64_t> next{0};
   auto work = [&](int32_t t) {
     planner::PlanInput in = base;
+    std::optional<GemmTable> gemm;  // built once per thread (time_plan)
     try {
       for (int64_t j = next++; j < N; j = next++) {
         const int64_t* now = loads(j);
@@ -396,7 +465,7 @@ std::vector<LayerResult> simulate_trace(const std::string& policy, const planner
           in.previous_load_E.assign(static_cast<size_t>(base.num_experts), 0);
           for (size_t k = 0; k < cell; ++k) in.previous_load_E[k % base.num_experts] += prev[k];
         }
-        out[static_cast<size_t>(j)] = simulate_plan(pol->plan(in), in, cfg);
+        out[static_cast<size_t>(j)] = time_plan(pol->plan(in), in, cfg, &gemm);
       }
     } catch (const std::exception& e) {
       errors[static_cast<size_t>(t)] = e.what();

@@ -79,6 +79,41 @@ TEST(PlannerRoute, LargestRemainderEqualsCoreSourceShare) {
   }
 }
 
+TEST(PlannerRoute, LargestRemainderEqualsItsDefinitionAtEverySize) {
+  // route.h's definition, written out (floors, then one more for the largest remainders,
+  // ties to the lower index, by a full sort), against the bucketed selection: rows of
+  // up to 300 entries, many zero (a replica's cells), equal, or large
+  std::mt19937_64 rng(12);
+  for (int trial = 0; trial < 20000; ++trial) {
+    const int n = 1 + static_cast<int>(rng() % (trial % 5 == 0 ? 300 : 130));
+    const int mode = trial % 5;
+    std::vector<int64_t> w(n);
+    for (int64_t& v : w)
+      v = mode == 0 ? static_cast<int64_t>(rng() % 3)
+          : mode == 1 ? (rng() % 6 == 0 ? static_cast<int64_t>(rng() % 5000) : 0)
+          : mode == 2 ? 7
+          : mode == 3 ? static_cast<int64_t>(rng() % 2000000000)
+                      : static_cast<int64_t>(rng() % 100000);
+    const int64_t n_sum = sum(w);
+    int64_t quota = n_sum == 0 ? 0 : static_cast<int64_t>(rng() % static_cast<uint64_t>(n_sum + 1));
+    if (mode == 3) quota %= 2000000000;  // quota x w < 2^63
+    std::vector<int64_t> want(n, 0), rem(n, 0), got(n);
+    std::vector<int32_t> order;
+    int64_t given = 0;
+    for (int i = 0; n_sum > 0 && i < n; ++i) {
+      want[i] = quota * w[i] / n_sum;
+      rem[i] = quota * w[i] % n_sum;
+      given += want[i];
+      if (rem[i] != 0) order.push_back(i);
+    }
+    std::sort(order.begin(), order.end(),
+              [&](int32_t a, int32_t b) { return rem[a] != rem[b] ? rem[a] > rem[b] : a < b; });
+    for (int64_t k = 0; k < quota - given; ++k) want[order[static_cast<size_t>(k)]] += 1;
+    largest_remainder(quota, w.data(), n, got.data());
+    ASSERT_EQ(got, want) << "trial " << trial;
+  }
+}
+
 TEST(PlannerRoute, SplitOverInstancesRespectsRoomsAndForwardRows) {
   // f = [6, 2, 4], Q = 9: proportional 9 * [6, 2, 4] / 12 = [4.5, 1.5, 3] -> [5, 1, 3]
   // (remainders 6, 6, 0 of 12: ties to the lower index); room [3, 9, 9] clamps the

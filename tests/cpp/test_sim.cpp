@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -629,6 +630,117 @@ TEST(A2A, ExpectedDispatchByHand) {
   EXPECT_THROW(sim::expected_dispatch(std::vector<int64_t>(15, 0), 4, 2, 2), std::invalid_argument);
   M[1] = -1;
   EXPECT_THROW(sim::expected_dispatch(M, 4, 2, 2), std::invalid_argument);
+}
+
+// expected_dispatch's definition (a2a.h) as its first version computed it, source by
+// source over a row-major matrix: the reference the faster paths must equal bit for bit
+sim::TokenDispatch reference_dispatch(const std::vector<int64_t>& M, int32_t W, int32_t K, int32_t G) {
+  sim::TokenDispatch d;
+  for (auto* v : {&d.self_W, &d.inter_out_W, &d.inter_in_W, &d.intra_out_W, &d.intra_in_W})
+    v->assign(static_cast<size_t>(W), 0.0);
+  for (auto* v : {&d.inter_peers_W, &d.intra_peers_W, &d.inter_in_peers_W, &d.intra_in_peers_W})
+    v->assign(static_cast<size_t>(W), 0);
+  std::vector<char> flag(static_cast<size_t>(W) * W, 0);
+  auto peer = [&](int32_t a, int32_t b) {
+    if (flag[static_cast<size_t>(a) * W + b]) return;
+    flag[static_cast<size_t>(a) * W + b] = 1;
+    ++d.intra_peers_W[a];
+    ++d.intra_in_peers_W[b];
+  };
+  for (int32_t s = 0; s < W; ++s) {
+    int64_t P = 0;
+    for (int32_t r = 0; r < W; ++r) P += M[static_cast<size_t>(s) * W + r];
+    if (P == 0) continue;
+    const double T = static_cast<double>(P) / K, inv_P = 1.0 / static_cast<double>(P);
+    auto rows = [&](int64_t m) {
+      if (K == 1) return static_cast<double>(m);
+      double base = 1.0 - static_cast<double>(m) * inv_P, acc = 1.0;
+      for (int32_t k = K; k > 0; k >>= 1) {
+        if (k & 1) acc *= base;
+        base *= base;
+      }
+      return T * (1.0 - acc);
+    };
+    for (int32_t n = 0; n < (W + G - 1) / G; ++n) {
+      const int32_t r0 = n * G, r1 = std::min(W, r0 + G);
+      const int32_t proxy = std::min(W - 1, r0 + s % G);
+      int64_t node_m = 0;
+      for (int32_t r = r0; r < r1; ++r) {
+        const int64_t m = M[static_cast<size_t>(s) * W + r];
+        if (m == 0) continue;
+        if (n == s / G) {
+          if (r == s) { d.self_W[s] += rows(m); continue; }
+          d.intra_out_W[s] += rows(m);
+          d.intra_in_W[r] += rows(m);
+          peer(s, r);
+          continue;
+        }
+        node_m += m;
+        if (r == proxy) continue;
+        d.intra_out_W[proxy] += rows(m);
+        d.intra_in_W[r] += rows(m);
+        peer(proxy, r);
+      }
+      if (n == s / G || node_m == 0) continue;
+      d.pair_inter_rows += static_cast<double>(node_m);
+      d.inter_out_W[s] += rows(node_m);
+      d.inter_in_W[proxy] += rows(node_m);
+      ++d.inter_peers_W[s];
+      ++d.inter_in_peers_W[proxy];
+    }
+  }
+  return d;
+}
+
+void expect_same_dispatch(const sim::TokenDispatch& a, const sim::TokenDispatch& b, int trial) {
+  EXPECT_EQ(a.self_W, b.self_W) << trial;  // doubles compared exactly
+  EXPECT_EQ(a.inter_out_W, b.inter_out_W) << trial;
+  EXPECT_EQ(a.inter_in_W, b.inter_in_W) << trial;
+  EXPECT_EQ(a.intra_out_W, b.intra_out_W) << trial;
+  EXPECT_EQ(a.intra_in_W, b.intra_in_W) << trial;
+  EXPECT_EQ(a.inter_peers_W, b.inter_peers_W) << trial;
+  EXPECT_EQ(a.intra_peers_W, b.intra_peers_W) << trial;
+  EXPECT_EQ(a.inter_in_peers_W, b.inter_in_peers_W) << trial;
+  EXPECT_EQ(a.intra_in_peers_W, b.intra_in_peers_W) << trial;
+  EXPECT_EQ(a.pair_inter_rows, b.pair_inter_rows) << trial;
+}
+
+TEST(A2A, FastDispatchPathsEqualTheDefinitionBitForBit) {
+  // row-major, transposed and sparse inputs against the reference loop: dense, sparse,
+  // tiny and beyond-2^52 entries, empty sources, partial last nodes, every K of 1..9
+  std::mt19937_64 rng(5);
+  for (int trial = 0; trial < 400; ++trial) {
+    const int32_t W = trial % 8 == 0 ? 128 : 1 + static_cast<int32_t>(rng() % 40);
+    const int32_t G = trial % 3 == 0 ? 8 : 1 + static_cast<int32_t>(rng() % 12);
+    const int32_t K = 1 + static_cast<int32_t>(rng() % 9);
+    const int mode = trial % 5;
+    std::vector<int64_t> M(static_cast<size_t>(W) * W);
+    for (int64_t& v : M)
+      v = mode == 0 ? static_cast<int64_t>(rng() % 5000)
+          : mode == 1 ? (rng() % 4 == 0 ? static_cast<int64_t>(rng() % 100) : 0)
+          : mode == 2 ? (rng() % 50 == 0 ? static_cast<int64_t>(rng() % 10000000000ull) : 0)
+          : mode == 3 ? static_cast<int64_t>(rng() % 3)
+                      : static_cast<int64_t>(rng() >> 9);  // up to 2^55
+    const int32_t empty = static_cast<int32_t>(rng() % W);
+    for (int32_t r = 0; r < W; ++r) M[static_cast<size_t>(empty) * W + r] = 0;
+    const sim::TokenDispatch want = reference_dispatch(M, W, K, G);
+    expect_same_dispatch(sim::expected_dispatch(M, W, K, G), want, trial);
+    std::vector<int64_t> M_t(M.size());
+    std::vector<sim::PairCell> cells;
+    for (int32_t s = 0; s < W; ++s)
+      for (int32_t r = 0; r < W; ++r) {
+        M_t[static_cast<size_t>(r) * W + s] = M[static_cast<size_t>(s) * W + r];
+        if (M[static_cast<size_t>(s) * W + r] != 0) cells.push_back({s, r, M[static_cast<size_t>(s) * W + r]});
+      }
+    sim::TokenDispatch got;
+    sim::expected_dispatch_transposed(M_t.data(), W, K, G, &got);
+    expect_same_dispatch(got, want, trial);
+    sim::expected_dispatch_sparse(cells, W, K, G, &got);
+    expect_same_dispatch(got, want, trial);
+  }
+  std::vector<sim::PairCell> unsorted = {{1, 0, 5}, {0, 1, 5}};
+  sim::TokenDispatch d;
+  EXPECT_THROW(sim::expected_dispatch_sparse(unsorted, 2, 1, 1, &d), std::invalid_argument);
 }
 
 TEST(A2A, ExpectedDispatchMatchesSampledTokens) {
