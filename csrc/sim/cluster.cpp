@@ -1,9 +1,11 @@
 // A whole cluster of expert-parallel groups (cluster.h).
 #include "sim/cluster.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
+#include <string>
 
 namespace lrmoe {
 namespace sim {
@@ -61,18 +63,60 @@ std::vector<ClusterLayer> reduce(const std::vector<LayerResult>& r, int64_t step
         const double t = x.fwd_ms + x.bwd_ms;
         sum += t;
         ++ok;
+        c.owned_experts_max = std::max(c.owned_experts_max, x.owned_experts_max);
+        c.broadcast_ms = std::max(c.broadcast_ms, x.broadcast_ms);
         if (c.slowest_group < 0 || t > c.time_ms) {
           c.time_ms = t;
           c.slowest_group = static_cast<int32_t>(g);
         }
       }
       c.mean_group_ms = ok ? sum / static_cast<double>(ok) : nan;
-      if (!c.feasible) c.time_ms = nan;
+      if (!c.feasible) c.time_ms = c.broadcast_ms = nan;
     }
   return out;
 }
 
 }  // namespace
+
+std::vector<ClusterStep> cluster_steps(const std::vector<ClusterLayer>& layers_SL, int64_t steps,
+                                       int64_t layers, int32_t num_ranks,
+                                       double expert_grad_bytes, const LinkModel& link,
+                                       const StepModel& m) {
+  if (steps < 1 || layers < 1)
+    throw std::invalid_argument("cluster_steps: steps and layers must be >= 1");
+  if (layers_SL.size() != static_cast<size_t>(steps * layers))
+    throw std::invalid_argument("cluster_steps: layers_SL must hold steps x layers = " +
+                                std::to_string(steps * layers) + " results, got " +
+                                std::to_string(layers_SL.size()));
+  if (m.moe_layers < 0)
+    throw std::invalid_argument("cluster_steps: StepModel.moe_layers must be >= 0 (0: the "
+                                "simulated layers)");
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double per = m.moe_layers > 0 ? static_cast<double>(m.moe_layers) / layers : 1.0;
+  std::vector<ClusterStep> out(static_cast<size_t>(steps));
+  for (int64_t s = 0; s < steps; ++s) {
+    ClusterStep& st = out[static_cast<size_t>(s)];
+    double owned = 0, bcast = 0;
+    for (int64_t l = 0; l < layers; ++l) {
+      const ClusterLayer& c = layers_SL[static_cast<size_t>(s * layers + l)];
+      if (!c.feasible) { st.feasible = false; break; }
+      st.moe_ms += c.time_ms;
+      st.mean_group_moe_ms += c.mean_group_ms;
+      owned += c.owned_experts_max;
+      bcast += c.broadcast_ms;
+    }
+    if (!st.feasible) {
+      st.moe_ms = st.mean_group_moe_ms = nan;
+      st.terms.expert_allreduce_ms = st.terms.dense_allreduce_ms = nan;
+      st.terms.optimizer_ms = st.terms.broadcast_ms = nan;
+      continue;
+    }
+    st.moe_ms *= per;
+    st.mean_group_moe_ms *= per;
+    st.terms = step_terms(num_ranks, owned * per, bcast * per, expert_grad_bytes, link, m);
+  }
+  return out;
+}
 
 }  // namespace sim
 }  // namespace lrmoe

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "sim/sim.h"
+#include "sim/step.h"
 
 namespace lrmoe {
 namespace sim {
@@ -22,6 +23,10 @@ struct ClusterLayer {
   double time_ms = 0;        // max over groups of fwd_ms + bwd_ms (NaN when infeasible)
   int32_t slowest_group = -1;
   double mean_group_ms = 0;  // mean over the feasible groups (NaN when none)
+  // the step terms' inputs (step.h), each the largest over groups: the most experts a
+  // rank owns, and symi's weight broadcast of this layer's copies (NaN when infeasible)
+  int32_t owned_experts_max = 0;
+  double broadcast_ms = 0;
 };
 
 // Every (step, group, layer) of loads_SGLWE (S x Gr x Lyr x W x E, row-major) under
@@ -45,6 +50,32 @@ std::vector<ClusterLayer> simulate_cluster(const std::string& policy,
                                            const CellLoads& loads, int64_t steps,
                                            int64_t groups, int64_t layers,
                                            const SimConfig& cfg, int32_t threads);
+
+// One step of the cluster: its MoE layers (each the slowest group's, ClusterLayer) and
+// the terms outside them (step.h), in sequence; a step of StepModel::moe_layers layers.
+struct ClusterStep {
+  bool feasible = true;       // every layer of every group fits
+  double moe_ms = 0;          // sum over layers of ClusterLayer::time_ms (NaN: infeasible)
+  double mean_group_moe_ms = 0;  // sum over layers of the mean group's (NaN: infeasible)
+  StepTerms terms;            // NaN fields when infeasible
+  double total_ms() const { return moe_ms + terms.total_ms(); }
+};
+
+// The steps of simulate_cluster's S x Lyr results `layers_SL` (step, layer order) on a
+// cluster of m.dp_size groups of `num_ranks` ranks: the MoE layers summed per step, plus
+// step_terms(num_ranks, sum over layers of owned_experts_max, sum over layers of
+// broadcast_ms, expert_grad_bytes, link, m), every sum over the simulated layers times
+// m.moe_layers / layers when m.moe_layers > 0 (the simulated layers stand for the
+// model's, as their mean) -- the rank that owns the most experts of
+// each layer taken as one rank, an upper bound where the busiest owners differ (they do
+// not under the balanced ownership every policy starts from: E / W per rank), and each
+// layer's broadcast its own all-to-all, the slowest group's. Throws
+// std::invalid_argument when layers_SL does not hold steps x layers results (naming
+// them), m.moe_layers < 0, and as step_terms.
+std::vector<ClusterStep> cluster_steps(const std::vector<ClusterLayer>& layers_SL, int64_t steps,
+                                       int64_t layers, int32_t num_ranks,
+                                       double expert_grad_bytes, const LinkModel& link,
+                                       const StepModel& m);
 
 }  // namespace sim
 }  // namespace lrmoe

@@ -196,6 +196,14 @@ LayerResult time_plan(const planner::Plan& plan, const planner::PlanInput& in,
   int64_t retained = 0;  // a local: a sum into res.* stored on every entry
   for (int32_t e = 0; e < E; ++e) retained += plan.quota_E[e];
   res.retained = retained;
+  {  // experts per owner (an expert's first instance), for the step terms (step.h)
+    thread_local std::vector<int32_t> owned_W;
+    owned_W.assign(static_cast<size_t>(W), 0);
+    for (int32_t e = 0; e < E; ++e) {
+      const int32_t k = ++owned_W[static_cast<size_t>(plan.instance_rank[plan.instance_offsets[e]])];
+      res.owned_experts_max = std::max(res.owned_experts_max, k);
+    }
+  }
   // memory: each part's maximum over ranks and the largest rank's total
   for (const auto& m : plan.memory_W) {
     res.memory_max.base_experts = std::max(res.memory_max.base_experts, m.base_experts);
@@ -234,7 +242,8 @@ LayerResult time_plan(const planner::Plan& plan, const planner::PlanInput& in,
   if (!timed && !cfg.per_rank_bytes) {
     for (double* t : {&res.fwd_ms, &res.bwd_ms, &res.src_fwd_ms, &res.dispatch_ms,
                       &res.expert_fwd_ms, &res.combine_ms, &res.src_bwd_ms, &res.grad_a2a_ms,
-                      &res.expert_bwd_ms, &res.dx_a2a_ms, &res.replica_ms, &res.offload_ms})
+                      &res.expert_bwd_ms, &res.dx_a2a_ms, &res.replica_ms, &res.offload_ms,
+                      &res.broadcast_ms})
       *t = kNaN;
     return res;
   }
@@ -303,6 +312,10 @@ LayerResult time_plan(const planner::Plan& plan, const planner::PlanInput& in,
         rep_f.push_back({owner, r, in.memory.expert_weight_bytes});
         rep_b.push_back({owner, r, in.memory.expert_weight_bytes});
         rep_b.push_back({r, owner, in.memory.expert_grad_bytes});
+      } else if (i != plan.instance_offsets[e]) {
+        // symi: the copy gets the owner's new weights once per step (step.h
+        // symi_broadcast_ms; rep_f is otherwise unused for symi)
+        rep_f.push_back({owner, r, in.memory.expert_weight_bytes});
       }
     }
   }
@@ -325,7 +338,8 @@ LayerResult time_plan(const planner::Plan& plan, const planner::PlanInput& in,
   if (!timed) {
     for (double* t : {&res.fwd_ms, &res.bwd_ms, &res.src_fwd_ms, &res.dispatch_ms,
                       &res.expert_fwd_ms, &res.combine_ms, &res.src_bwd_ms, &res.grad_a2a_ms,
-                      &res.expert_bwd_ms, &res.dx_a2a_ms, &res.replica_ms, &res.offload_ms})
+                      &res.expert_bwd_ms, &res.dx_a2a_ms, &res.replica_ms, &res.offload_ms,
+                      &res.broadcast_ms})
       *t = kNaN;
     return res;
   }
@@ -385,6 +399,14 @@ LayerResult time_plan(const planner::Plan& plan, const planner::PlanInput& in,
     expected_dispatch_sparse(rep_b, W, 1, G, &Dr);
     t_rep_b = hierarchical_a2a_ms(Dr, 1.0, cfg.link);
     rep_b_bytes = link_bytes(Dr, 1.0);
+  }
+  if (!stream && res.replicas > 0) {
+    // symi's copies as one all-to-all of weight-byte rows, no dedup: the same
+    // expectation as symi_broadcast_ms's dense all_to_all_ms, linear in the copies
+    thread_local TokenDispatch Db_cast;
+    sorted_cells(&rep_f);
+    expected_dispatch_sparse(rep_f, W, 1, G, &Db_cast);
+    res.broadcast_ms = hierarchical_a2a_ms(Db_cast, 1.0, cfg.link);
   }
   res.replica_bytes = rep_f_bytes + rep_b_bytes;
   const bool any_rep = res.replica_bytes > 0;

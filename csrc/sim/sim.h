@@ -151,6 +151,12 @@ struct LayerResult {
   int32_t replicas = 0;
   int64_t pairs = 0, retained = 0;
   double fwd_imbalance = 0, bwd_imbalance = 0;  // max / mean rows per rank
+  // inputs of the step terms (step.h), which are per step, not part of fwd_ms / bwd_ms:
+  // the most experts any rank owns (first copies: it all-reduces their gradients and
+  // steps their optimizer), and symi's weight broadcast of this layer's copies after the
+  // optimizer step (symi_broadcast_ms; 0 for the other policies, NaN when infeasible)
+  int32_t owned_experts_max = 0;
+  double broadcast_ms = 0;
 };
 
 // Simulate one layer: plan `input` with `policy`, then time it.

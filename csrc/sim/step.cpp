@@ -42,13 +42,39 @@ double symi_broadcast_ms(const planner::Plan& plan, const planner::PlanInput& in
   return all_to_all_ms(M, W, 1.0, link);
 }
 
-StepTerms step_terms(const planner::Plan& plan, const planner::PlanInput& in,
-                     const LinkModel& link, const StepModel& m) {
+StepTerms step_terms(int32_t num_ranks, double owned_experts, double broadcast_ms,
+                     double expert_grad_bytes, const LinkModel& link, const StepModel& m) {
   if (m.dp_size < 1) throw std::invalid_argument("step_terms: StepModel.dp_size must be >= 1");
   if (m.dense_grad_bytes < 0 || m.dense_params < 0 || m.expert_params < 0)
     throw std::invalid_argument("step_terms: StepModel.dense_grad_bytes, dense_params and "
                                 "expert_params must be >= 0");
+  if (num_ranks < 1) throw std::invalid_argument("step_terms: num_ranks must be >= 1");
+  if (!(owned_experts >= 0)) throw std::invalid_argument("step_terms: owned_experts must be >= 0");
+  if (!(broadcast_ms >= 0)) throw std::invalid_argument("step_terms: broadcast_ms must be >= 0");
+  if (expert_grad_bytes < 0) throw std::invalid_argument("step_terms: expert_grad_bytes must be >= 0");
+  StepTerms t;
+  const int32_t all = num_ranks * m.dp_size;
+  t.expert_allreduce_ms = ring_allreduce_ms(owned_experts * expert_grad_bytes, m.dp_size,
+                                            link.inter_GBps, link.inter_latency_us);
+  // a ring inside one node runs over NVLink; one that leaves it is as slow as its
+  // network hops
+  const bool one_node = all <= link.gpus_per_node;
+  t.dense_allreduce_ms =
+      ring_allreduce_ms(m.dense_grad_bytes, all, one_node ? link.intra_GBps : link.inter_GBps,
+                        one_node ? link.intra_latency_us : link.inter_latency_us);
+  if (m.hbm_GBps > 0)
+    t.optimizer_ms = adam_step_ms(owned_experts * m.expert_params + m.dense_params, m.hbm_GBps);
+  else if (m.dense_params > 0 || m.expert_params > 0)
+    throw std::invalid_argument("step_terms: StepModel.hbm_GBps must be > 0 to time the optimizer");
+  t.broadcast_ms = broadcast_ms;
+  return t;
+}
+
+StepTerms step_terms(const planner::Plan& plan, const planner::PlanInput& in,
+                     const LinkModel& link, const StepModel& m) {
   const int32_t W = plan.num_ranks, E = plan.num_experts;
+  if (plan.instance_offsets.size() != static_cast<size_t>(E) + 1)
+    throw std::invalid_argument("step_terms: plan.instance_offsets must hold E + 1 entries");
   // experts owned per rank (the first copy; replicas' gradients were reduced into the
   // owner within the layer): the most any rank holds decides
   std::vector<int32_t> owned(static_cast<size_t>(W), 0);
@@ -56,17 +82,9 @@ StepTerms step_terms(const planner::Plan& plan, const planner::PlanInput& in,
     ++owned[static_cast<size_t>(plan.instance_rank[static_cast<size_t>(plan.instance_offsets[e])])];
   int32_t most = 0;
   for (int32_t k : owned) most = std::max(most, k);
-  StepTerms t;
-  const int32_t all = W * m.dp_size;
-  t.expert_allreduce_ms = ring_allreduce_ms(static_cast<double>(most) * in.memory.expert_grad_bytes,
-                                            m.dp_size, link.inter_GBps, link.inter_latency_us);
-  t.dense_allreduce_ms = ring_allreduce_ms(m.dense_grad_bytes, all, link.inter_GBps, link.inter_latency_us);
-  if (m.hbm_GBps > 0)
-    t.optimizer_ms = adam_step_ms(most * m.expert_params + m.dense_params, m.hbm_GBps);
-  else if (m.dense_params > 0 || m.expert_params > 0)
-    throw std::invalid_argument("step_terms: StepModel.hbm_GBps must be > 0 to time the optimizer");
-  if (plan.policy == planner::PolicyKind::kSymi) t.broadcast_ms = symi_broadcast_ms(plan, in, link);
-  return t;
+  const double bcast =
+      plan.policy == planner::PolicyKind::kSymi ? symi_broadcast_ms(plan, in, link) : 0.0;
+  return step_terms(W, most, bcast, static_cast<double>(in.memory.expert_grad_bytes), link, m);
 }
 
 }  // namespace sim

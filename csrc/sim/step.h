@@ -42,11 +42,14 @@ double symi_broadcast_ms(const planner::Plan& plan, const planner::PlanInput& in
                          const LinkModel& link);
 
 // The step's non-MoE-layer terms (ms) of one EP group of W ranks in a cluster of
-// dp_size such groups: the expert gradients of a rank (its experts' expert_grad_bytes)
-// ring-all-reduced over the dp_size groups at the network's GB/s and latency (the
-// copies of an expert sit on different nodes), the dense gradients (dense_grad_bytes
-// per rank) over all W x dp_size GPUs at the same link, the Adam step of the rank's
-// expert and dense parameters, and SYMI's broadcast (0 for the other policies).
+// dp_size such groups: the expert gradients of a rank (its owned experts'
+// expert_grad_bytes) ring-all-reduced over the dp_size groups at the network's GB/s and
+// latency (the copies of an expert sit in different groups, on different nodes), the
+// dense gradients (dense_grad_bytes per rank) over all W x dp_size GPUs (over NVLink when
+// they fit in one node of link.gpus_per_node, else at the network's link), the Adam step
+// of the rank's owned expert and dense parameters, and SYMI's broadcast (0 for the other
+// policies). The terms run one after the other, none hidden behind the backward (an
+// upper bound where a runtime overlaps the all-reduce with the backward).
 struct StepTerms {
   double expert_allreduce_ms = 0, dense_allreduce_ms = 0, optimizer_ms = 0, broadcast_ms = 0;
   double total_ms() const { return expert_allreduce_ms + dense_allreduce_ms + optimizer_ms + broadcast_ms; }
@@ -57,8 +60,24 @@ struct StepModel {
   double dense_params = 0;        // per rank (for the optimizer)
   double expert_params = 0;       // one expert's parameters (for the optimizer)
   double hbm_GBps = 0;            // the device's memory bandwidth
+  // MoE layers of the model a step has (cluster.h cluster_steps): the simulated layers
+  // are a sample of them and their sums are scaled up to this many (0: as simulated)
+  int64_t moe_layers = 0;
 };
-// Throws std::invalid_argument for dp_size < 1 or negative sizes (naming the field).
+
+// The step terms from their inputs: `owned_experts`, the experts the busiest rank owns
+// over all the step's MoE layers (one layer: its plan's most per rank), and
+// `broadcast_ms`, SYMI's weight broadcast of the step (0 for the other policies), with
+// `num_ranks` W of one group, `expert_grad_bytes` per expert (in.memory) and `link`,
+// `m` as above. step_terms(plan, ...) and cluster.h's cluster_steps are this.
+// Throws std::invalid_argument for num_ranks < 1, owned_experts < 0, broadcast_ms < 0
+// (NaN included) and as step_terms below.
+StepTerms step_terms(int32_t num_ranks, double owned_experts, double broadcast_ms,
+                     double expert_grad_bytes, const LinkModel& link, const StepModel& m);
+
+// One layer's plan: the most experts a rank owns (first copies) and, for a symi plan,
+// symi_broadcast_ms. Throws std::invalid_argument for dp_size < 1 or negative sizes
+// (naming the StepModel field), hbm_GBps <= 0 where parameters are given.
 StepTerms step_terms(const planner::Plan& plan, const planner::PlanInput& in,
                      const LinkModel& link, const StepModel& m);
 

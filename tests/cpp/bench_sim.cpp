@@ -14,7 +14,10 @@
 // peer, 4 chunks). c = 0.3 and
 // the balance target `slack` for lrmoe (0, the library's default,
 // lrmoe.planner.DEFAULT_BALANCE_SLACK; negative: off). Prints wall seconds per policy
-// and in all.
+// and in all, the mean per-layer time (slowest group, mean group) and the mean step:
+// the 48 layers plus the step terms of sim/step.h (cluster_steps: the expert and dense
+// gradient all-reduces, Adam, SYMI's broadcast), for Qwen3-30B-A3B's 1.54e9 dense
+// parameters (lrmoe/workload/shapes.py) with fp32 gradients and the H200's 4,800 GB/s.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -97,9 +100,17 @@ int main(int argc, char** argv) {
   // no per-chunk copy of 100 MB while the threads wait, one thread start per 50 steps
   const int64_t chunk = 50;
   const int64_t per_step = groups * layers;  // (group, layer) cells of one step
+  // the step terms (sim/step.h), once per step, after the chunk's layers
+  sim::StepModel step;
+  step.dp_size = static_cast<int32_t>(groups);
+  step.dense_params = 1541093376.0;  // Qwen3-30B-A3B: attention, norms, routers, embeddings
+  step.dense_grad_bytes = 4 * step.dense_params;  // fp32, as expert_grad_bytes
+  step.expert_params = 3.0 * H * I;
+  step.hbm_GBps = 4800;
   double total = 0;
-  std::printf("%-8s %6s %6s %5s %4s %6s %9s %12s %12s %9s\n", "policy", "steps", "layers",
-              "gpus", "ep", "groups", "seconds", "max_fb_ms", "mean_fb_ms", "feasible");
+  std::printf("%-8s %6s %6s %5s %4s %6s %9s %12s %12s %9s %9s %9s %8s %8s %9s\n", "policy",
+              "steps", "layers", "gpus", "ep", "groups", "seconds", "max_fb_ms", "mean_fb_ms",
+              "feasible", "moe_ms", "allred_ms", "adam_ms", "bcast_ms", "step_ms");
   for (const char* policy : {"fixed", "ultraep", "symi", "lrmoe"}) {
     planner::PlanInput in = base;
     in.recalibration_rate = std::string(policy) == "lrmoe" ? 0.3 : 0.0;
@@ -107,6 +118,8 @@ int main(int argc, char** argv) {
     const auto t0 = std::chrono::steady_clock::now();
     double sum_ms = 0, sum_mean = 0;
     int64_t ok = 0, n = 0;
+    double st_moe = 0, st_ar = 0, st_opt = 0, st_bc = 0;
+    int64_t st_ok = 0;
     for (int64_t s0 = 0; s0 < steps; s0 += chunk) {
       const int64_t ns = std::min(chunk, steps - s0);
       // cell j = (s x groups + g) x layers + l of this chunk: group g at step s0 + s
@@ -123,12 +136,25 @@ int main(int argc, char** argv) {
         ++n;
         if (r.feasible) { ++ok; sum_ms += r.time_ms; sum_mean += r.mean_group_ms; }
       }
+      for (const auto& st : sim::cluster_steps(out, ns, layers, W,
+                                               static_cast<double>(in.memory.expert_grad_bytes),
+                                               cfg.link, step)) {
+        if (!st.feasible) continue;
+        ++st_ok;
+        st_moe += st.moe_ms;
+        st_ar += st.terms.expert_allreduce_ms + st.terms.dense_allreduce_ms;
+        st_opt += st.terms.optimizer_ms;
+        st_bc += st.terms.broadcast_ms;
+      }
     }
     const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     total += sec;
-    std::printf("%-8s %6lld %6lld %5d %4d %6lld %9.2f %12.3f %12.3f %5lld/%lld\n", policy,
+    const double k = st_ok ? 1.0 / static_cast<double>(st_ok) : NAN;
+    std::printf("%-8s %6lld %6lld %5d %4d %6lld %9.2f %12.3f %12.3f %5lld/%lld %9.1f %9.1f %8.1f "
+                "%8.2f %9.1f\n", policy,
                 (long long)steps, (long long)layers, gpus, W, (long long)groups, sec,
-                ok ? sum_ms / ok : NAN, ok ? sum_mean / ok : NAN, (long long)ok, (long long)n);
+                ok ? sum_ms / ok : NAN, ok ? sum_mean / ok : NAN, (long long)ok, (long long)n,
+                st_moe * k, st_ar * k, st_opt * k, st_bc * k, (st_moe + st_ar + st_opt + st_bc) * k);
   }
   std::printf("total %.2f s (%d threads)\n", total, threads);
   return 0;

@@ -319,6 +319,31 @@ TEST(Sim, ReplicaTrafficPerLayerButNotForSymi) {
   EXPECT_DOUBLE_EQ(u.replica_bytes, up.replicas * 400.0);
   const sim::LayerResult s = sim::simulate_layer("symi", in, cfg);
   EXPECT_EQ(s.replica_bytes, 0.0);
+  EXPECT_EQ(u.broadcast_ms, 0.0);  // ultraep's copies stream in the layer instead
+}
+
+TEST(Sim, SymiBroadcastsItsCopiesOncePerStep) {
+  // symi with ceil(E / W) + 1 = 2 slots per rank on 2 ranks and 2 experts: both experts
+  // on both ranks, each first placed on rank 0 (asserted below), so rank 0 owns both
+  // and sends each copy's 100 weight bytes to rank 1 after the optimizer step: 200 B to
+  // one NVLink peer at 1 GB/s (1e6 B/ms) plus the 10 us latency = 0.0002 + 0.01 ms.
+  planner::PlanInput in = toy_input();
+  in.load_WE = {90, 0, 90, 0};
+  in.replica_slots = 1;
+  in.previous_load_E = {180, 0};
+  const sim::SimConfig cfg = toy_config();
+  const planner::Plan p = planner::make_plan("symi", in);
+  ASSERT_EQ(p.replicas, 2);
+  ASSERT_EQ(p.instance_offsets, (std::vector<int32_t>{0, 2, 4}));
+  ASSERT_EQ(p.instance_rank, (std::vector<int32_t>{0, 1, 0, 1}));
+  const sim::LayerResult s = sim::simulate_plan(p, in, cfg);
+  EXPECT_NEAR(s.broadcast_ms, 0.0102, 1e-12);
+  EXPECT_EQ(s.owned_experts_max, 2);
+  EXPECT_EQ(s.replica_ms, 0.0);  // not in the layer: once per step (step.h)
+  // fixed ownership: no copies, one expert per rank
+  const sim::LayerResult f = sim::simulate_layer("fixed", in, cfg);
+  EXPECT_EQ(f.broadcast_ms, 0.0);
+  EXPECT_EQ(f.owned_experts_max, 1);
 }
 
 TEST(Sim, TraceEqualsLayerByLayer) {
@@ -525,7 +550,7 @@ TEST(Cluster, EveryGroupOnItsOwnLoadsTheSlowestDecides) {
     ASSERT_EQ(out.size(), static_cast<size_t>(S * Lyr));
     for (int64_t s = 0; s < S; ++s)
       for (int64_t l = 0; l < Lyr; ++l) {
-        double worst = -1, sum = 0;
+        double worst = -1, sum = 0, bcast = 0;
         int32_t at = -1;
         for (int64_t g = 0; g < Gr; ++g) {
           planner::PlanInput in = base;
@@ -539,12 +564,15 @@ TEST(Cluster, EveryGroupOnItsOwnLoadsTheSlowestDecides) {
           ASSERT_TRUE(r.feasible);
           sum += r.fwd_ms + r.bwd_ms;
           if (r.fwd_ms + r.bwd_ms > worst) { worst = r.fwd_ms + r.bwd_ms; at = static_cast<int32_t>(g); }
+          bcast = std::max(bcast, r.broadcast_ms);
         }
         const sim::ClusterLayer& c = out[static_cast<size_t>(s * Lyr + l)];
         EXPECT_TRUE(c.feasible);
         EXPECT_DOUBLE_EQ(c.time_ms, worst);
         EXPECT_EQ(c.slowest_group, at);
         EXPECT_NEAR(c.mean_group_ms, sum / Gr, 1e-12);
+        EXPECT_EQ(c.broadcast_ms, bcast);
+        EXPECT_EQ(c.owned_experts_max, 1);  // fixed ownership of E 2 over W 2
       }
   }
   EXPECT_THROW(sim::simulate_cluster("fixed", base, loads, S, 0, Lyr, cfg, 1), std::invalid_argument);

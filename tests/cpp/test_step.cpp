@@ -4,9 +4,12 @@
 // parameter over HBM), never from the code under test.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <stdexcept>
+#include <vector>
 
 #include "planner/plan.h"
+#include "sim/cluster.h"
 #include "sim/step.h"
 
 namespace {
@@ -72,18 +75,109 @@ TEST(Step, TermsOfATwoRankGroupByHand) {
   // expert gradients: each rank owns one expert, 200 B over 4 groups: 2 x 3 / 4 x 200 /
   // 1e6 + 6 x 0.005 = 0.0003 + 0.03
   EXPECT_NEAR(t.expert_allreduce_ms, 0.0303, 1e-15);
-  // dense: 1000 B over 2 x 4 GPUs: 2 x 7 / 8 x 1000 / 1e6 + 14 x 0.005
-  EXPECT_NEAR(t.dense_allreduce_ms, 0.00175 + 0.07, 1e-15);
+  // dense: 1000 B over the 2 x 4 GPUs of one node of 8, over NVLink:
+  // 2 x 7 / 8 x 1000 / 1e6 + 14 x 0.01
+  EXPECT_NEAR(t.dense_allreduce_ms, 0.00175 + 0.14, 1e-15);
   // Adam: (50 + 150) x 30 B at 1e6 B/ms
   EXPECT_NEAR(t.optimizer_ms, 0.006, 1e-15);
   EXPECT_NEAR(t.broadcast_ms, 0.0101, 1e-15);
-  EXPECT_NEAR(t.total_ms(), 0.0303 + 0.07175 + 0.006 + 0.0101, 1e-15);
+  EXPECT_NEAR(t.total_ms(), 0.0303 + 0.14175 + 0.006 + 0.0101, 1e-15);
+  // nodes of 4: the 8 GPUs span two, the ring runs at the network's latency:
+  // 0.00175 + 14 x 0.005 (the broadcast's 2 ranks stay on one node)
+  sim::LinkModel four = link;
+  four.gpus_per_node = 4;
+  EXPECT_NEAR(sim::step_terms(p, in, four, m).dense_allreduce_ms, 0.00175 + 0.07, 1e-15);
   // no broadcast outside symi (its copies stream per layer, sim.h)
   planner::Plan u = p;
   u.policy = planner::PolicyKind::kUltraEP;
   EXPECT_EQ(sim::step_terms(u, in, link, m).broadcast_ms, 0.0);
   m.dp_size = 0;
   EXPECT_THROW(sim::step_terms(p, in, link, m), std::invalid_argument);
+}
+
+// Links of the cluster tests: nodes of 8, NVLink 2 GB/s and 10 us, network 1 GB/s and
+// 5 us (1 GB/s = 1e6 B/ms).
+sim::LinkModel two_class_link() {
+  sim::LinkModel link;
+  link.gpus_per_node = 8;
+  link.intra_GBps = 2.0;
+  link.intra_latency_us = 10.0;
+  link.inter_GBps = 1.0;
+  link.inter_latency_us = 5.0;
+  return link;
+}
+
+TEST(Step, TermsOfAStepFromItsInputsByHand) {
+  // W 16 ranks x 2 groups = 32 GPUs over 4 nodes; the busiest rank owns 3 experts over
+  // the step's layers, 1000 gradient bytes each; dense 4000 B per rank, 100 dense and 10
+  // parameters per expert at 2 GB/s of HBM; a broadcast of 0.5 ms
+  sim::StepModel m;
+  m.dp_size = 2;
+  m.dense_grad_bytes = 4000;
+  m.dense_params = 100;
+  m.expert_params = 10;
+  m.hbm_GBps = 2.0;
+  const sim::StepTerms t = sim::step_terms(16, 3, 0.5, 1000, two_class_link(), m);
+  // experts: 3000 B over 2 groups: 2 x 1 / 2 x 3000 / 1e6 + 2 x 0.005 = 0.003 + 0.01
+  EXPECT_NEAR(t.expert_allreduce_ms, 0.013, 1e-15);
+  // dense over 32 GPUs (beyond a node): 2 x 31 / 32 x 4000 / 1e6 + 62 x 0.005
+  EXPECT_NEAR(t.dense_allreduce_ms, 0.00775 + 0.31, 1e-15);
+  // Adam: (3 x 10 + 100) x 30 B at 2e6 B/ms = 0.00195
+  EXPECT_NEAR(t.optimizer_ms, 0.00195, 1e-15);
+  EXPECT_EQ(t.broadcast_ms, 0.5);
+  // one group: no expert all-reduce (nothing to reduce with), dense over 16 GPUs
+  m.dp_size = 1;
+  EXPECT_EQ(sim::step_terms(16, 3, 0, 1000, two_class_link(), m).expert_allreduce_ms, 0.0);
+  EXPECT_THROW(sim::step_terms(0, 3, 0, 1000, two_class_link(), m), std::invalid_argument);
+  EXPECT_THROW(sim::step_terms(16, -1, 0, 1000, two_class_link(), m), std::invalid_argument);
+  EXPECT_THROW(sim::step_terms(16, 3, std::nan(""), 1000, two_class_link(), m),
+               std::invalid_argument);
+}
+
+TEST(Step, ClusterStepsSumTheLayersAndAddTheTermsByHand) {
+  // 2 steps x 2 layers of a cluster of 2 groups of W = 4 (8 GPUs, one node); step 1's
+  // second layer does not fit
+  std::vector<sim::ClusterLayer> r(4);
+  r[0].time_ms = 10; r[0].mean_group_ms = 9; r[0].owned_experts_max = 2; r[0].broadcast_ms = 0.25;
+  r[1].time_ms = 20; r[1].mean_group_ms = 15; r[1].owned_experts_max = 3; r[1].broadcast_ms = 0.5;
+  r[2].time_ms = 5; r[2].mean_group_ms = 5; r[2].owned_experts_max = 2;
+  r[3].feasible = false;
+  r[3].time_ms = std::nan("");
+  sim::StepModel m;
+  m.dp_size = 2;
+  m.dense_grad_bytes = 1000;
+  m.dense_params = 100;
+  m.expert_params = 10;
+  m.hbm_GBps = 2.0;
+  const auto out = sim::cluster_steps(r, 2, 2, 4, 100, two_class_link(), m);
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_TRUE(out[0].feasible);
+  EXPECT_EQ(out[0].moe_ms, 30.0);
+  EXPECT_EQ(out[0].mean_group_moe_ms, 24.0);
+  // 2 + 3 = 5 owned experts x 100 B over 2 groups: 500 / 1e6 + 2 x 0.005
+  EXPECT_NEAR(out[0].terms.expert_allreduce_ms, 0.0105, 1e-15);
+  // dense over the 8 GPUs of one node (NVLink): 2 x 7 / 8 x 1000 / 2e6 + 14 x 0.01
+  EXPECT_NEAR(out[0].terms.dense_allreduce_ms, 0.000875 + 0.14, 1e-15);
+  // Adam: (5 x 10 + 100) x 30 B / 2e6 B/ms
+  EXPECT_NEAR(out[0].terms.optimizer_ms, 0.00225, 1e-15);
+  EXPECT_NEAR(out[0].terms.broadcast_ms, 0.75, 1e-15);
+  EXPECT_NEAR(out[0].total_ms(), 30 + 0.0105 + 0.140875 + 0.00225 + 0.75, 1e-12);
+  // the 2 simulated layers standing for 6: every sum x 3 (owned 15, broadcast 2.25)
+  m.moe_layers = 6;
+  const auto six = sim::cluster_steps(r, 2, 2, 4, 100, two_class_link(), m);
+  EXPECT_EQ(six[0].moe_ms, 90.0);
+  EXPECT_EQ(six[0].mean_group_moe_ms, 72.0);
+  EXPECT_NEAR(six[0].terms.expert_allreduce_ms, 1500 / 1e6 + 0.01, 1e-15);
+  EXPECT_NEAR(six[0].terms.optimizer_ms, (15 * 10 + 100) * 30 / 2e6, 1e-15);
+  EXPECT_NEAR(six[0].terms.broadcast_ms, 2.25, 1e-15);
+  EXPECT_NEAR(six[0].terms.dense_allreduce_ms, 0.000875 + 0.14, 1e-15);  // per step
+  m.moe_layers = -1;
+  EXPECT_THROW(sim::cluster_steps(r, 2, 2, 4, 100, two_class_link(), m), std::invalid_argument);
+  m.moe_layers = 0;
+  EXPECT_FALSE(out[1].feasible);
+  EXPECT_TRUE(std::isnan(out[1].moe_ms));
+  EXPECT_TRUE(std::isnan(out[1].total_ms()));
+  EXPECT_THROW(sim::cluster_steps(r, 3, 2, 4, 100, two_class_link(), m), std::invalid_argument);
 }
 
 }  // namespace
