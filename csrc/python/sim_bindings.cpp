@@ -151,6 +151,10 @@ void bind_sim(py::module_ m) {
       .field("retained", &LayerResult::retained, "retained pairs")
       .field("fwd_imbalance", &LayerResult::fwd_imbalance, "max / mean forward rows per rank")
       .field("bwd_imbalance", &LayerResult::bwd_imbalance, "max / mean retained rows per rank")
+      .field("owned_experts_max", &LayerResult::owned_experts_max,
+             "the most experts a rank owns (first copies; step terms)")
+      .field("broadcast_ms", &LayerResult::broadcast_ms,
+             "symi's weight broadcast of this layer's copies, once per step (0: other policies)")
       .done();
 
   Struct<PressureResult>(m, "PressureResult", "Batch pressure of one layer (sim/sim.h).")
@@ -209,7 +213,63 @@ void bind_sim(py::module_ m) {
       .field("time_ms", &sim::ClusterLayer::time_ms, "slowest group's fwd + bwd (NaN: infeasible)")
       .field("slowest_group", &sim::ClusterLayer::slowest_group, "its group (-1: none)")
       .field("mean_group_ms", &sim::ClusterLayer::mean_group_ms, "mean over feasible groups")
+      .field("owned_experts_max", &sim::ClusterLayer::owned_experts_max,
+             "the most experts a rank owns, max over groups")
+      .field("broadcast_ms", &sim::ClusterLayer::broadcast_ms,
+             "symi's broadcast of the layer's copies, slowest group (NaN: infeasible)")
       .done();
+
+  Struct<sim::StepModel>(m, "StepModel", "The model outside the MoE layers (sim/step.h).")
+      .field("dp_size", &sim::StepModel::dp_size, "EP groups (data-parallel copies), >= 1")
+      .field("dense_grad_bytes", &sim::StepModel::dense_grad_bytes,
+             "dense gradient bytes per rank")
+      .field("dense_params", &sim::StepModel::dense_params, "dense parameters per rank")
+      .field("expert_params", &sim::StepModel::expert_params, "one expert's parameters")
+      .field("hbm_GBps", &sim::StepModel::hbm_GBps, "device memory GB/s (for Adam)")
+      .field("moe_layers", &sim::StepModel::moe_layers,
+             "MoE layers the simulated ones stand for (0: as simulated)")
+      .done();
+
+  Struct<sim::StepTerms>(m, "StepTerms", "A step's terms outside the MoE layers, ms (sim/step.h).")
+      .field("expert_allreduce_ms", &sim::StepTerms::expert_allreduce_ms,
+             "owned experts' gradients, ring over the groups")
+      .field("dense_allreduce_ms", &sim::StepTerms::dense_allreduce_ms,
+             "dense gradients, ring over all GPUs")
+      .field("optimizer_ms", &sim::StepTerms::optimizer_ms, "Adam, bandwidth-bound")
+      .field("broadcast_ms", &sim::StepTerms::broadcast_ms, "symi's weight broadcast")
+      .done();
+
+  Struct<sim::ClusterStep>(m, "ClusterStep", "One step of a cluster (sim/cluster.h).")
+      .field("feasible", &sim::ClusterStep::feasible, "every layer of every group fits")
+      .field("moe_ms", &sim::ClusterStep::moe_ms, "MoE layers, slowest group each (NaN: infeasible)")
+      .field("mean_group_moe_ms", &sim::ClusterStep::mean_group_moe_ms, "the mean group's")
+      .field("terms", &sim::ClusterStep::terms, "StepTerms")
+      .done();
+
+  m.def(
+      "cluster_steps",
+      [](py::sequence layers_SL, int64_t steps, int64_t layers, int32_t num_ranks,
+         double expert_grad_bytes, const sim::LinkModel& link, const sim::StepModel& model) {
+        std::vector<sim::ClusterLayer> in;  // no pybind11/stl.h here: element by element
+        in.reserve(py::len(layers_SL));
+        for (py::handle h : layers_SL) {
+          if (!py::isinstance<sim::ClusterLayer>(h))
+            throw py::type_error("layers_SL must hold ClusterLayer (simulate_cluster's "
+                                 "results), got " + std::string(py::str(py::type::of(h))));
+          in.push_back(h.cast<sim::ClusterLayer>());
+        }
+        py::list out;
+        for (auto& st : sim::cluster_steps(in, steps, layers, num_ranks, expert_grad_bytes,
+                                           link, model))
+          out.append(py::cast(std::move(st)));
+        return out;
+      },
+      py::arg("layers_SL"), py::arg("steps"), py::arg("layers"), py::arg("num_ranks"),
+      py::arg("expert_grad_bytes"), py::arg("link"), py::arg("model"),
+      "cluster_steps(layers_SL, steps, layers, num_ranks, expert_grad_bytes, link, model) -> "
+      "list of S ClusterStep: simulate_cluster's S x Lyr results summed per step (scaled to "
+      "model.moe_layers) plus the step terms of sim/step.h.\n\nRaises ValueError when "
+      "layers_SL is not S x Lyr long or a StepModel field is out of range (naming it).");
 
   m.def(
       "simulate_cluster",

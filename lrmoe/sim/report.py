@@ -89,6 +89,13 @@ def add_sim_arguments(p) -> None:
                    help="target validation losses of Table 1")
     p.add_argument("--scale", nargs="*", type=int, default=[],
                    help="cluster sizes for cost per token vs W (e.g. 64 128 256 512 1024)")
+    p.add_argument("--dense-params", type=float, default=None, metavar="N",
+                   help="--scale's step terms: parameters outside the routed experts, which "
+                        "every GPU all-reduces and steps (default: the model's, "
+                        "lrmoe/workload/shapes.py; qwen3-30b-a3b 1.54e9)")
+    p.add_argument("--hbm-gbps", type=float, default=S.H200_HBM_GBPS, metavar="GB/s",
+                   help="--scale's step terms: device memory GB/s of the bandwidth-bound "
+                        "Adam step (default %(default)s, the H200's)")
     p.add_argument("--validate", default=None, metavar="LAYER_BENCH.json",
                    help="also compare the simulation with `lrmoe bench layer` results: "
                         "layer_bench.json at W = 1 (fwd/bwd per shape, tokens and c; target "
@@ -149,6 +156,8 @@ def run_sim(args) -> dict:
     if any(not m > 0 for m in args.pressure):
         raise ValueError(f"--pressure multipliers must be > 0, got {args.pressure}")
     e = MODELS[args.model].num_experts
+    if args.scale:  # the step terms' sizes, before the simulation (names the flag)
+        S.step_model(MODELS[args.model], 1, args.hbm_gbps, args.dense_params)
     for w in args.scale:  # W GPUs: W / ep copies of one EP group of ep = min(W, E) ranks
         if w < 1 or e % min(w, e) or w % min(w, e):
             raise ValueError(f"--scale {w}: a cluster size must divide E={e} or be a "
@@ -307,13 +316,30 @@ def scale(args, shape, costs, links, layers) -> dict:
     """Cost per token vs cluster size: W GPUs are Gr = W / ep data-parallel copies of an
     EP group of ep = min(W, E) ranks, and every group is simulated on its own draws of
     the same layers' popularity (:func:`lrmoe.sim.simulate.simulate_cluster`); a layer
-    waits for its slowest group. ``layer_ms``: mean over (step, layer) of that slowest
-    group's fwd + bwd; ``us_per_token``: it over the tokens per GPU (every GPU routes
-    its own tokens at once); ``mean_group_ms``: the mean group, so the gap is the cost
-    of waiting for the slowest."""
-    out = {"gpus": list(args.scale), "policies": {p: [] for p in args.policies}}
+    waits for its slowest group. Per row (means over the simulated steps and layers):
+
+      * ``layer_ms``: the slowest group's fwd + bwd of one MoE layer; ``mean_group_ms``
+        the mean group's, so ``slowest_over_mean`` = layer_ms / mean_group_ms - 1 is the
+        cost of waiting for the slowest; ``us_per_token``: layer_ms over the tokens per
+        GPU (every GPU routes its own tokens at once), GPU-us per token per MoE layer;
+      * the step (csrc/sim/step.h, csrc/sim/cluster.h cluster_steps): ``moe_ms`` (the
+        simulated layers' sum scaled to the model's ``layers``), ``expert_allreduce_ms``
+        (owned experts' fp32 gradients, ring over the Gr groups), ``dense_allreduce_ms``
+        (the dense gradients, ring over all W GPUs), ``optimizer_ms`` (Adam at
+        ``--hbm-gbps``), ``broadcast_ms`` (symi's weights to its copies), ``step_ms``
+        their sum and ``step_us_per_token`` = step_ms over the tokens per GPU (GPU-us
+        per token per training step).
+
+    Raises:
+        ValueError: no dense parameter count for the model (``--dense-params``), and
+            what :func:`lrmoe.sim.simulate.simulate_cluster` raises.
+    """
+    out = {"gpus": list(args.scale), "model_layers": layers, "hbm_GBps": args.hbm_gbps,
+           "dense_params": args.dense_params or shape.dense_params,
+           "policies": {p: [] for p in args.policies}}
     steps = max(1, min(args.steps, 4))
     few = min(layers, 4)
+    out["simulated"] = dict(steps=steps, layers=few)
     mem = _memory(shape, args)
     for w in args.scale:
         ep = min(w, shape.num_experts)
@@ -322,21 +348,53 @@ def scale(args, shape, costs, links, layers) -> dict:
                                         shape.top_k, steps, few, args.skew, args.trace,
                                         args.seed + 2, group=g) for g in range(groups)],
                          axis=1)
+        model = S.step_model(shape, groups, args.hbm_gbps, args.dense_params, layers)
         for pol in args.policies:
             r = S.simulate_cluster(loads, pol, mem, costs, links, shape.hidden_size,
                                    args.rate if pol == "lrmoe" else 0.0,
                                    replica_slots=args.replica_slots, threads=args.threads,
                                    balance_slack=None if args.balance_slack < 0
-                                   else args.balance_slack, top_k=args.dedup_top_k)
-            ok = r["feasible"] > 0
-            ms = float(np.mean(r["time_ms"])) if ok.all() else float("nan")
-            out["policies"][pol].append(dict(
-                gpus=w, ep=ep, groups=groups, feasible=float(ok.mean()), layer_ms=_nan(ms),
-                mean_group_ms=_nan(float(np.mean(r["mean_group_ms"])) if ok.all()
-                                   else float("nan")),
-                us_per_token=_nan(1e3 * ms / args.tokens_per_gpu),
-                reason="" if ok.all() else "a group's plan does not fit the budget"))
+                                   else args.balance_slack, top_k=args.dedup_top_k,
+                                   step=model)
+            ok = bool((r["feasible"] > 0).all())
+            nan = float("nan")
+            ms = float(np.mean(r["time_ms"])) if ok else nan
+            mean = float(np.mean(r["mean_group_ms"])) if ok else nan
+            row = dict(gpus=w, ep=ep, groups=groups, feasible=float((r["feasible"] > 0).mean()),
+                       layer_ms=_nan(ms), mean_group_ms=_nan(mean),
+                       slowest_over_mean=_nan(ms / mean - 1 if ok else nan),
+                       us_per_token=_nan(1e3 * ms / args.tokens_per_gpu),
+                       reason="" if ok else "a group's plan does not fit the budget")
+            for k in S.STEP_KEYS:
+                row["step_ms" if k == "total_ms" else k] = _nan(
+                    float(np.mean(r["steps"][k])) if ok else nan)
+            row["step_us_per_token"] = _nan(1e3 * row["step_ms"] / args.tokens_per_gpu
+                                            if ok else nan)
+            out["policies"][pol].append(row)
     return out
+
+
+def scale_table(sc: dict) -> str:
+    """The ``--scale`` rows as a Markdown table: per policy and cluster size, the step's
+    columns (ms) and the cost per token (GPU-us per token per step), the slowest group's
+    excess over the mean group in brackets."""
+    lines = ["| GPUs (EP x groups) | policy | MoE layers | expert all-reduce | dense "
+             "all-reduce | Adam | SYMI broadcast | step | us/token (slowest over mean) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+    for i, w in enumerate(sc["gpus"]):
+        for p, rows in sc["policies"].items():
+            r = rows[i]
+            if r["step_ms"] is None:
+                lines.append(f"| {w} ({r['ep']} x {r['groups']}) | {LABELS[p]} | infeasible "
+                             f"({1 - r['feasible']:.0%} of layers) | | | | | | |")
+                continue
+            lines.append(
+                f"| {w} ({r['ep']} x {r['groups']}) | {LABELS[p]} | {f(r['moe_ms'])} | "
+                f"{f(r['expert_allreduce_ms'])} | {f(r['dense_allreduce_ms'])} | "
+                f"{f(r['optimizer_ms'])} | {f(r['broadcast_ms'])} | {f(r['step_ms'])} | "
+                f"{f(r['step_us_per_token'], 2)} (+{100 * r['slowest_over_mean']:.1f} %) |")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------ plots
@@ -402,14 +460,17 @@ def plot_all(out: dict, d: Path) -> None:
         fig.tight_layout(); fig.savefig(d / "fig6_pressure.png", dpi=110); plt.close(fig)
     if "scale" in out:
         sc = out["scale"]
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, axs = plt.subplots(1, 2, figsize=(11, 4))
         for p, rows in sc["policies"].items():
-            ax.plot([r["gpus"] for r in rows],
-                    [np.nan if r["us_per_token"] is None else r["us_per_token"] for r in rows],
-                    "o-", label=LABELS[p])
-        ax.set_xscale("log", base=2); ax.set_xlabel("GPUs"); ax.legend(fontsize=8)
-        ax.set_ylabel("GPU-us per token per MoE layer")
-        ax.set_title("cost per token vs cluster size -- SIMULATED", fontsize=9)
+            x = [r["gpus"] for r in rows]
+            for ax, key in zip(axs, ("us_per_token", "step_us_per_token")):
+                ax.plot(x, [np.nan if r[key] is None else r[key] for r in rows], "o-",
+                        label=LABELS[p])
+        for ax, lab in zip(axs, ("GPU-us per token per MoE layer (slowest group)",
+                                 "GPU-us per token per step (MoE layers + step terms)")):
+            ax.set_xscale("log", base=2); ax.set_xlabel("GPUs"); ax.legend(fontsize=8)
+            ax.set_ylabel(lab, fontsize=8)
+            ax.set_title("cost per token vs cluster size -- SIMULATED", fontsize=9)
         fig.tight_layout(); fig.savefig(d / "scale.png", dpi=110); plt.close(fig)
 
 
@@ -431,6 +492,9 @@ def print_summary(out: dict) -> None:
               + "".join(f", {k} {v['sim_' + k + '_ms']:.2f} vs {v['bench_' + k + '_ms']:.2f}"
                         for k in ("dispatch", "combine", "grad_a2a", "dx_a2a")
                         if v.get("bench_" + k + "_ms") is not None))
+    if "scale" in out:
+        print("  --scale (simulated; ms per training step, GPU-us per token per step):")
+        print("\n".join("    " + line for line in scale_table(out["scale"]).splitlines()))
     for row in out.get("table1", []):
         print("  table1 loss {target_loss}: ".format(**row) + ", ".join(
             f"{LABELS[p]} {row[p]:.2f} min" if row.get(p) is not None else f"{LABELS[p]} -"

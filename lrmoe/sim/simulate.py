@@ -44,7 +44,9 @@ def _fields() -> tuple:
 #: bytes fwd_link_bytes ... offload_bytes, memory_base_experts, memory_replicas,
 #: memory_forward_tokens, memory_backward_tokens (each part's maximum over ranks),
 #: memory_peak (the largest rank's total), limit_bytes, replicas, pairs, retained,
-#: fwd_imbalance, bwd_imbalance, and micro_batches/time_ms, the batch-pressure answer (1
+#: fwd_imbalance, bwd_imbalance, owned_experts_max and broadcast_ms (the step terms'
+#: inputs: the most experts a rank owns, symi's per-step weight broadcast of the layer's
+#: copies; csrc/sim/step.h), and micro_batches/time_ms, the batch-pressure answer (1
 #: and fwd + bwd outside it; 0 and NaN when no micro-batch count fits); times in ms,
 #: bytes plain
 FIELDS = _fields()
@@ -154,10 +156,54 @@ def simulate(load_SLWE: np.ndarray, policy: str, memory: MemoryModel, costs: Cos
     return out
 
 
+#: per-step result keys of :func:`simulate_cluster` with a ``step`` model: the MoE layers
+#: (slowest group, and the mean group's) and the terms of csrc/sim/step.h, ms
+STEP_KEYS = ("moe_ms", "mean_group_moe_ms", "expert_allreduce_ms", "dense_allreduce_ms",
+             "optimizer_ms", "broadcast_ms", "total_ms")
+
+
+def step_model(shape: ModelShape, groups: int, hbm_GBps: float,
+               dense_params: Optional[float] = None,
+               moe_layers: Optional[int] = None) -> "_C.sim.StepModel":
+    """The step outside the MoE layers (csrc/sim/step.h) of ``groups`` data-parallel
+    copies of an EP group of ``shape``: every GPU holds the dense parameters whole (no
+    tensor parallelism) and all-reduces their fp32 gradients (4 B each, as
+    :meth:`MemoryModel.from_shape`'s expert gradients); one expert has 3 H I parameters;
+    Adam at ``hbm_GBps``.
+
+    Args:
+        dense_params: parameters outside the routed experts (default
+            ``shape.dense_params``).
+        moe_layers: the model's MoE layers the simulated ones stand for (default
+            ``shape.moe_layers``).
+
+    Raises:
+        ValueError: groups < 1, hbm_GBps <= 0, or no dense parameter count (naming
+            ``--dense-params``, the flag that gives one).
+    """
+    dense = shape.dense_params if dense_params is None else dense_params
+    if not dense or not dense > 0:
+        raise ValueError(f"--dense-params: the dense (non-expert) parameters of {shape.name} "
+                         "are not in lrmoe/workload/shapes.py; give them, e.g. "
+                         "--dense-params 1.54e9 for qwen3-30b-a3b (attention, norms, routers, "
+                         "embeddings)")
+    if not hbm_GBps > 0:
+        raise ValueError(f"--hbm-gbps must be > 0 (device memory GB/s for the optimizer), "
+                         f"got {hbm_GBps}")
+    if groups < 1:
+        raise ValueError(f"groups must be >= 1, got {groups}")
+    return _C.sim.StepModel(dp_size=int(groups), dense_grad_bytes=4.0 * dense,
+                            dense_params=float(dense),
+                            expert_params=3.0 * shape.hidden_size * shape.moe_intermediate_size,
+                            hbm_GBps=float(hbm_GBps),
+                            moe_layers=int(shape.moe_layers if moe_layers is None else moe_layers))
+
+
 def simulate_cluster(load_SGLWE: np.ndarray, policy: str, memory: MemoryModel, costs: Costs,
                      links: Links, hidden: int, recalibration_rate: float = 0.0,
                      replica_slots: int = 2, balance_slack: Optional[float] = DEFAULT_BALANCE_SLACK,
-                     threads: int = 2, top_k: int = 1) -> dict:
+                     threads: int = 2, top_k: int = 1,
+                     step: Optional["_C.sim.StepModel"] = None) -> dict:
     """Every expert-parallel group of a cluster (its data-parallel copies), each on its
     own loads: a (step, layer) takes as long as its slowest group, whose gradient
     reduction the others wait for (csrc/sim/cluster.h; docs/simulation.md, "64-1024
@@ -167,14 +213,21 @@ def simulate_cluster(load_SGLWE: np.ndarray, policy: str, memory: MemoryModel, c
         load_SGLWE: (S, Gr, Lyr, W, E) non-negative ints, Gr groups of W ranks.
         policy ... top_k: as :func:`simulate` (offload and batch pressure are not
             modelled here).
+        step: the model outside the MoE layers (:func:`step_model`; its ``dp_size`` must
+            be Gr), for the per-step results.
 
     Returns:
         dict of (S x Lyr,) float64 in (step, layer) order: ``feasible`` (1: every group's
         plan fits), ``time_ms`` (the slowest group's fwd + bwd, NaN when infeasible),
-        ``slowest_group``, ``mean_group_ms`` (mean over the feasible groups).
+        ``slowest_group``, ``mean_group_ms`` (mean over the feasible groups),
+        ``owned_experts_max``, ``broadcast_ms`` (symi's, the slowest group's); with
+        ``step`` also ``steps``: each of :data:`STEP_KEYS` -> (S,) float64 (csrc/sim/cluster.h
+        cluster_steps: the layers summed and scaled to ``step.moe_layers``, plus the
+        gradient all-reduces, Adam and symi's broadcast; NaN for a step that does not fit).
 
     Raises:
-        ValueError: not 5-D, threads < 1, or what the simulator refuses (naming it).
+        ValueError: not 5-D, threads < 1, ``step.dp_size`` not Gr, or what the simulator
+            refuses (naming it).
     """
     load = np.asarray(load_SGLWE).astype(np.int64, copy=False)
     if load.ndim != 5:
@@ -186,11 +239,24 @@ def simulate_cluster(load_SGLWE: np.ndarray, policy: str, memory: MemoryModel, c
     cfg = sim_config(costs, links, hidden, top_k=top_k)
     inp = plan_input(load.shape[3], load.shape[4], memory, recalibration_rate, "proportional",
                      replica_slots, 0, 0.5, 0, 1, balance_slack)
+    if step is not None and step.dp_size != load.shape[1]:
+        raise ValueError(f"step.dp_size must be the loads' {load.shape[1]} groups, got "
+                         f"{step.dp_size}; build it with step_model(shape, groups, ...)")
     res = _C.sim.simulate_cluster(policy, inp, np.ascontiguousarray(load), cfg, int(threads))
-    return {"feasible": np.array([float(r.feasible) for r in res]),
-            "time_ms": np.array([r.time_ms for r in res], dtype=np.float64),
-            "slowest_group": np.array([r.slowest_group for r in res], dtype=np.float64),
-            "mean_group_ms": np.array([r.mean_group_ms for r in res], dtype=np.float64)}
+    out = {k: np.array([getattr(r, k) for r in res], dtype=np.float64)
+           for k in ("feasible", "time_ms", "slowest_group", "mean_group_ms",
+                     "owned_experts_max", "broadcast_ms")}
+    if step is not None:
+        st = _C.sim.cluster_steps(res, load.shape[0], load.shape[2], load.shape[3],
+                                  float(memory.expert_grad_bytes), cfg.link, step)
+        t = [s.terms for s in st]
+        out["steps"] = {
+            "moe_ms": np.array([s.moe_ms for s in st]),
+            "mean_group_moe_ms": np.array([s.mean_group_moe_ms for s in st]),
+            **{k: np.array([getattr(x, k) for x in t]) for k in STEP_KEYS[2:6]}}
+        out["steps"]["total_ms"] = out["steps"]["moe_ms"] + sum(
+            out["steps"][k] for k in STEP_KEYS[2:6])
+    return out
 
 #: the expert GEMMs' roofline on an H200 (docs/simulation.md, "Cost model", gives the
 #: sources): dense bf16 TFLOP/s, HBM GB/s, and an assumed launch floor per grouped-GEMM

@@ -22,6 +22,10 @@ class ModelShape:
         moe_layers: MoE layers of the model (for the whole-model notes in docs/planner.md).
         shared_expert_intermediate_size: width of the always-on shared expert, 0 for none
             (the benchmark runs it; the planner's memory model counts routed experts only).
+        dense_params: parameters outside the routed experts (attention, norms, routers,
+            embeddings and output head; from the model's transformers config), which every
+            GPU holds whole and all-reduces each step (``lrmoe sim --scale``'s step terms,
+            csrc/sim/step.h); 0 where not worked out (``--dense-params`` then).
     """
 
     name: str
@@ -31,6 +35,7 @@ class ModelShape:
     top_k: int
     moe_layers: int
     shared_expert_intermediate_size: int = 0
+    dense_params: int = 0
 
     @property
     def dims(self) -> dict:
@@ -45,9 +50,15 @@ class ModelShape:
 #: the ``gpu-small`` training preset (configs/gpu-small.yaml) and ``smoke``, the tiny
 #: CPU shape of CI's benchmark runs.
 SHAPES: Dict[str, ModelShape] = {s.name: s for s in (
-    ModelShape("qwen3-30b-a3b", 2048, 768, 128, 8, 48),
+    # dense_params, per layer q/k/v/o H x (32 x 128) + 2 x H x (4 x 128) + (32 x 128) x H,
+    # q/k norms 2 x 128, two RMSNorms 2 H, router H x E; x 48 layers, plus untied
+    # embeddings and head 2 x 151,936 x H and the final norm H: 1,541,093,376 (with the
+    # experts' 28,991,029,248: the model card's 30.5 B)
+    ModelShape("qwen3-30b-a3b", 2048, 768, 128, 8, 48, dense_params=1_541_093_376),
     ModelShape("glm-4.5-air", 4096, 1408, 128, 8, 45, shared_expert_intermediate_size=1408),
-    ModelShape("gpu-small", 768, 256, 128, 8, 8),
+    # configs/gpu-small.yaml's Qwen3-MoE (12 heads of 64, 4 KV heads, vocabulary 16,384,
+    # untied; lrmoe/training/setup.py): 8 x 1,672,832 + 2 x 16,384 x 768 + 768
+    ModelShape("gpu-small", 768, 256, 128, 8, 8, dense_params=38_549_248),
     ModelShape("smoke", 64, 32, 8, 2, 1, shared_expert_intermediate_size=32),
 )}
 #: the shapes of real models, which the planner and the simulator model (``lrmoe plan

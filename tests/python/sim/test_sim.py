@@ -225,6 +225,16 @@ def test_sim_cli_writes_json_and_figures_labelled_simulated(tmp_path):
         assert [(r["ep"], r["groups"]) for r in rows] == [(2, 1), (4, 1), (128, 2)]
         assert rows[2]["layer_ms"] >= rows[2]["mean_group_ms"] > 0
         assert rows[0]["layer_ms"] == pytest.approx(rows[0]["mean_group_ms"])
+        # the step: the simulated layers' mean scaled to the model's 2 (--layers 2, both
+        # simulated), plus its terms; an expert all-reduce only with 2 groups
+        for r in rows:
+            assert r["moe_ms"] == pytest.approx(2 * r["layer_ms"], rel=1e-9)
+            assert r["step_ms"] == pytest.approx(
+                r["moe_ms"] + r["expert_allreduce_ms"] + r["dense_allreduce_ms"]
+                + r["optimizer_ms"] + r["broadcast_ms"], rel=1e-9)
+            assert r["dense_allreduce_ms"] > 0 and r["optimizer_ms"] > 0
+        assert rows[0]["expert_allreduce_ms"] == 0 and rows[2]["expert_allreduce_ms"] > 0
+    assert all(r["broadcast_ms"] == 0 for r in data["scale"]["policies"]["fixed"])
     assert [r["multiplier"] for r in data["pressure"]["policies"]["lrmoe"]] == [1, 2]
     for png in ("fig6_pressure.png", "fig7_memory.png", "fig8_latency.png", "scale.png"):
         assert (out / png).stat().st_size > 1000

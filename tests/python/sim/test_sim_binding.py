@@ -27,7 +27,7 @@ DOCUMENTED = ("feasible", "binding", "fwd_ms", "bwd_ms", "src_fwd_ms", "dispatch
               "replica_bytes", "offload_bytes", "memory_base_experts", "memory_replicas",
               "memory_forward_tokens", "memory_backward_tokens", "memory_peak", "limit_bytes",
               "replicas", "pairs", "retained", "fwd_imbalance", "bwd_imbalance",
-              "micro_batches", "time_ms")
+              "owned_experts_max", "broadcast_ms", "micro_batches", "time_ms")
 
 
 def test_the_result_keys_derived_from_the_binding_are_the_documented_ones():
@@ -121,3 +121,41 @@ def test_simulate_cluster_takes_the_slowest_group_by_hand():
     assert [r.mean_group_ms for r in out] == pytest.approx([6.0, 9.0])
     with pytest.raises(ValueError, match="loads_SGLWE"):
         B.simulate_cluster("fixed", inp, load[0], cfg, 1)
+
+
+def test_cluster_steps_add_the_step_terms_by_hand():
+    """The toy above as 3 groups of one rank, 2 steps of one simulated layer standing for
+    4 (slowest group 9 and 12 ms, mean 6 and 9), one expert of 4e6 gradient bytes per
+    rank, links G = 2, NVLink 1 GB/s 10 us, network 2 GB/s 5 us (2e6 B/ms); by hand from
+    the ring all-reduce 2 (n - 1) / n x bytes / GBps + 2 (n - 1) x latency and Adam's
+    30 B per parameter over HBM."""
+    _, _, costs = toy()
+    memory = MemoryModel(0, 4_000_000, 0, 0, 0, budget_bytes=1 << 40, resident_bytes=0)
+    cfg = S.sim_config(costs, Links.from_file(), 64)
+    inp = S.plan_input(1, 1, memory, 0.0, "proportional", 0, 0, 0.5, 0, 1, 0.0)
+    load = np.array([[[[[100 * (1 + g + s)]]] for g in range(3)] for s in range(2)],
+                    dtype=np.int64)
+    res = B.simulate_cluster("fixed", inp, load, cfg, 2)
+    assert [r.owned_experts_max for r in res] == [1, 1]
+    assert [r.broadcast_ms for r in res] == [0.0, 0.0]
+    link = B.LinkModel(gpus_per_node=2, intra_GBps=1.0, intra_latency_us=10.0,
+                       inter_GBps=2.0, inter_latency_us=5.0)
+    model = B.StepModel(dp_size=3, dense_grad_bytes=1e6, dense_params=1e5, expert_params=1e4,
+                        hbm_GBps=1.0, moe_layers=4)
+    st = B.cluster_steps(res, 2, 1, 1, 4e6, link, model)
+    assert [s.moe_ms for s in st] == [36.0, 48.0]  # 9 and 12 ms x 4 layers
+    assert [s.mean_group_moe_ms for s in st] == [24.0, 36.0]
+    t = st[0].terms
+    # 4 layers x 1 expert x 4e6 B over 3 groups: 4 / 3 x 16e6 / 2e6 + 4 x 0.005
+    assert t.expert_allreduce_ms == pytest.approx(4 / 3 * 8 + 0.02, rel=1e-12)
+    # 1e6 B over 3 GPUs, more than a node of 2: 4 / 3 x 1e6 / 2e6 + 4 x 0.005
+    assert t.dense_allreduce_ms == pytest.approx(4 / 3 * 0.5 + 0.02, rel=1e-12)
+    # Adam: (4 x 1e4 + 1e5) x 30 B / 1e6 B/ms
+    assert t.optimizer_ms == pytest.approx(4.2, rel=1e-12)
+    assert t.broadcast_ms == 0.0
+    with pytest.raises(ValueError, match="layers_SL must hold"):
+        B.cluster_steps(res[:1], 2, 1, 1, 4e6, link, model)
+    with pytest.raises(ValueError, match="dp_size"):
+        B.cluster_steps(res, 2, 1, 1, 4e6, link, B.StepModel(dp_size=0))
+    with pytest.raises(TypeError, match="ClusterLayer"):
+        B.cluster_steps([1, 2], 2, 1, 1, 4e6, link, model)
