@@ -196,7 +196,12 @@ LayerResult time_plan(const planner::Plan& plan, const planner::PlanInput& in,
   int64_t retained = 0;  // a local: a sum into res.* stored on every entry
   for (int32_t e = 0; e < E; ++e) retained += plan.quota_E[e];
   res.retained = retained;
-  {  // experts per owner (an expert's first instance), for the step terms (step.h)
+  if (plan.policy == planner::PolicyKind::kSymi) {
+    // symi shards every expert's optimizer state over the group's ranks (symi.cpp: E x
+    // optimizer / W per rank), so a rank reduces and steps ceil(E / W) experts' worth,
+    // whichever copies it holds; its first copies mean nothing there
+    res.owned_experts_max = (E + W - 1) / W;
+  } else {  // experts per owner (an expert's first instance), for the step terms (step.h)
     thread_local std::vector<int32_t> owned_W;
     owned_W.assign(static_cast<size_t>(W), 0);
     for (int32_t e = 0; e < E; ++e) {

@@ -153,7 +153,7 @@ struct LayerResult {
   double fwd_imbalance = 0, bwd_imbalance = 0;  // max / mean rows per rank
   // inputs of the step terms (step.h), which are per step, not part of fwd_ms / bwd_ms:
   // the most experts any rank owns (first copies: it all-reduces their gradients and
-  // steps their optimizer), and symi's weight broadcast of this layer's copies after the
+  // steps their optimizer; symi, whose optimizer state is sharded: ceil(E / W)), and symi's weight broadcast of this layer's copies after the
   // optimizer step (symi_broadcast_ms; 0 for the other policies, NaN when infeasible)
   int32_t owned_experts_max = 0;
   double broadcast_ms = 0;

@@ -82,6 +82,8 @@ StepTerms step_terms(const planner::Plan& plan, const planner::PlanInput& in,
     ++owned[static_cast<size_t>(plan.instance_rank[static_cast<size_t>(plan.instance_offsets[e])])];
   int32_t most = 0;
   for (int32_t k : owned) most = std::max(most, k);
+  // symi's optimizer state is sharded over the ranks (sim.cpp time_plan says why)
+  if (plan.policy == planner::PolicyKind::kSymi) most = (E + W - 1) / W;
   const double bcast =
       plan.policy == planner::PolicyKind::kSymi ? symi_broadcast_ms(plan, in, link) : 0.0;
   return step_terms(W, most, bcast, static_cast<double>(in.memory.expert_grad_bytes), link, m);

@@ -75,7 +75,8 @@ struct StepModel {
 StepTerms step_terms(int32_t num_ranks, double owned_experts, double broadcast_ms,
                      double expert_grad_bytes, const LinkModel& link, const StepModel& m);
 
-// One layer's plan: the most experts a rank owns (first copies) and, for a symi plan,
+// One layer's plan: the most experts a rank owns (first copies; for symi, whose
+// optimizer state is sharded over the W ranks, ceil(E / W)) and, for a symi plan,
 // symi_broadcast_ms. Throws std::invalid_argument for dp_size < 1 or negative sizes
 // (naming the StepModel field), hbm_GBps <= 0 where parameters are given.
 StepTerms step_terms(const planner::Plan& plan, const planner::PlanInput& in,
