@@ -232,13 +232,31 @@ def _add_bench_parser(sub: Any) -> None:
                       help="the GPU's dense bf16 peak (default: the H200's 989)")
     step.add_argument("--out", default="runs/bench-step", help="folder of the cells and "
                       "step.json / step.md")
+    step.add_argument("--methods", nargs="+", default=None,
+                      choices=["lrmoe", "titan", "titan-lrmoe"],
+                      help="kinds of cell: lrmoe train; torchtitan's Qwen3 MoE model with "
+                           "its own MoE; that model with LRMoE experts at each c (default: "
+                           "lrmoe)")
+    step.add_argument("--titan", action="store_true",
+                      help="all three kinds (--methods lrmoe titan titan-lrmoe); needs "
+                           "requirements/torchtitan.txt")
+    step.add_argument("--titan-attention", default="auto",
+                      choices=["auto", "flex", "flex_flash", "varlen", "dense"],
+                      help="attention of the torchtitan cells: auto = torchtitan's flex "
+                           "(document mask) on CUDA, dense (the same mask, sdpa) on the CPU")
 
     def _cmd_bench_step(args: argparse.Namespace) -> int:
         from lrmoe.bench.step import H200_BF16_TFLOPS, bench_step
 
+        if args.titan and args.methods is not None:
+            raise ValueError("lrmoe bench step: give --titan or --methods, not both "
+                             "(--titan is --methods lrmoe titan titan-lrmoe)")
+        methods = (["lrmoe", "titan", "titan-lrmoe"] if args.titan
+                   else args.methods or ["lrmoe"])
         result = bench_step(args.preset, args.rates, args.attention, args.steps, args.warmup,
                             args.sets, Path(args.out), profile=args.profile,
-                            peak_tflops=args.peak_tflops or H200_BF16_TFLOPS)
+                            peak_tflops=args.peak_tflops or H200_BF16_TFLOPS,
+                            methods=methods, titan_attention=args.titan_attention)
         from lrmoe.bench.step import markdown
         print(markdown(result), end="")
         return 0
@@ -459,7 +477,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"lrmoe {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except ModuleNotFoundError as exc:
-        if "pip install 'lrmoe[" not in str(exc):  # not a missing extra: a real bug
+        if "pip install 'lrmoe[" not in str(exc) and "requirements/" not in str(exc):
+            # not a missing extra or requirements file: a real bug
             raise
         print(f"lrmoe {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

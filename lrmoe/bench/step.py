@@ -11,6 +11,12 @@ model-FLOP utilisation and the peak CUDA memory. Ratios are against the first ce
 same attention at c = 0 in the same run. ``--profile`` adds, for the first cell, one
 ``torch.profiler`` capture of two steps: device time per kernel category (:data:`KINDS`).
 
+``--titan`` (``--methods lrmoe titan titan-lrmoe``) adds, in the same run, torchtitan's
+Qwen3 MoE model at the preset's shape and vocabulary on the same batches, with its own
+MoE and with LRMoE's experts at each c (:mod:`lrmoe.bench.titan_step`: a plain loop,
+because torchtitan's trainer needs torch >= 2.12), with ratios to torchtitan's own MoE
+and to lrmoe at c = 0; their FLOPs come from the torchtitan model's shape.
+
 Model FLOPs per token (:func:`flops_per_token`): ``6 N + 6 L S d_attn``. N = the matmul
 parameters a token passes through (per layer q, k, v, o projections, the router and
 its K experts' three matrices; the LM head), counted forward (2 per multiply-add) and
@@ -52,8 +58,9 @@ def flops_per_token(model: Any, vocab: int, seq_len: int) -> float:
     """Model FLOPs per token of one training step (module docstring).
 
     Args:
-        model: a :class:`lrmoe.training.sections.ModelConfig`. vocab: the LM head's rows
-            (``data.vocab_size``). seq_len: S, tokens per block.
+        model: a :class:`lrmoe.training.sections.ModelConfig` (or anything with its shape
+            fields). vocab: the LM head's rows (the data's vocabulary). seq_len: S, tokens
+            per block.
     """
     m = model
     h, q, kv = m.hidden_size, m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
@@ -97,16 +104,11 @@ def run_cell(cfg: Any, warmup: int, profile_steps: int = 0) -> Dict[str, Any]:
             prof.stop()
 
     result = T.train(cfg, overwrite=True, step_callback=step_callback if prof else None)
-    recs = _records(result.out_dir, warmup)
-    if not recs:
-        raise ValueError(f"--steps must exceed --warmup ({warmup}): no step left to measure")
-    out = {"tokens_per_step": recs[0]["tokens"],
-           "step_ms": statistics.median(r["time_s"] for r in recs) * 1e3,
-           "tokens_per_s": statistics.median(r["tokens_per_s"] for r in recs),
-           "peak_gib": result.summary.get("peak_cuda_memory_gib"), "steps": len(recs)}
-    for key in ("moe_time_ms", "moe_forward_ms", "moe_backward_ms"):
-        vals = [r[key] for r in recs if r.get(key) is not None]
-        out[key] = statistics.median(vals) if vals else None
+    out = {**_summary(result.out_dir, warmup),
+           "peak_gib": result.summary.get("peak_cuda_memory_gib"),
+           # the LM head's rows: the trained tokenizer's size, which can be below
+           # data.vocab_size on a small corpus
+           "vocab_size": int(result.model.config.vocab_size)}
     if prof is not None:
         from lrmoe.bench.profile import kernel_family
 
@@ -130,71 +132,169 @@ def run_cell(cfg: Any, warmup: int, profile_steps: int = 0) -> Dict[str, Any]:
     return out
 
 
+#: the kinds of cell (``--methods``): lrmoe train; torchtitan's model with its own MoE;
+#: torchtitan's model with LRMoE's experts (lrmoe/bench/titan_step.py)
+METHODS = ("lrmoe", "titan", "titan-lrmoe")
+
+
+def _summary(run: Path, warmup: int) -> Dict[str, Any]:
+    """Medians over the records of ``run/metrics.jsonl`` after ``warmup`` (any cell)."""
+    recs = _records(run, warmup)
+    if not recs:
+        raise ValueError(f"--steps must exceed --warmup ({warmup}): no step left to measure")
+    out = {"tokens_per_step": recs[0]["tokens"],
+           "step_ms": statistics.median(r["time_s"] for r in recs) * 1e3,
+           "tokens_per_s": statistics.median(r["tokens_per_s"] for r in recs),
+           "steps": len(recs),
+           "losses": [r["loss"] for r in _records(run, 0)]}
+    for key in ("moe_time_ms", "moe_forward_ms", "moe_backward_ms"):
+        vals = [r[key] for r in recs if r.get(key) is not None]
+        out[key] = statistics.median(vals) if vals else None
+    return out
+
+
 def bench_step(preset: str, rates: Sequence[float], attentions: Sequence[str], steps: int,
                warmup: int, sets: Sequence[str], out_dir: Path, profile: bool = False,
-               peak_tflops: float = H200_BF16_TFLOPS) -> Dict[str, Any]:
-    """Every (attention, c) cell of :func:`run_cell`, results with ratios to c = 0.
+               peak_tflops: float = H200_BF16_TFLOPS, methods: Sequence[str] = ("lrmoe",),
+               titan_attention: str = "auto") -> Dict[str, Any]:
+    """Every cell of ``methods`` at one preset, one after another, with ratios.
+
+    Cells: ``lrmoe``: every (attention, c) of :func:`run_cell`, named
+    ``{attention}-c{c}``; ``titan``: torchtitan's Qwen3 MoE model with its own MoE, one
+    cell ``titan-{backend}``; ``titan-lrmoe``: that model with LRMoE's experts at each c,
+    ``titan-lrmoe-{backend}-c{c}`` (:mod:`lrmoe.bench.titan_step`: the same batches,
+    loss, optimizer, clipping and timing as lrmoe train). Ratios of tokens/s in the same
+    run: ``speedup_vs_c0`` (lrmoe cells: to the c = 0 cell of their attention;
+    titan-lrmoe cells: to titan-lrmoe at c = 0), ``vs_titan`` (to the titan cell) and
+    ``vs_lrmoe_c0`` (to lrmoe at c = 0 of the first attention); None where the
+    reference cell is not in the run.
 
     Args:
         preset: ``lrmoe train`` preset (e.g. ``qwen3-slice``). rates: c values (the first
             should be 0, the baseline of its attention). attentions: ``run.attention``
-            values. steps, warmup: steps per cell and how many to leave out.
+            values of the lrmoe cells. steps, warmup: steps per cell and how many to
+            leave out.
         sets: extra ``--set key=value`` items for every cell. out_dir: the cells' run
-            folders and ``step.json`` / ``step.md``. profile: capture the first cell.
+            folders and ``step.json`` / ``step.md``. profile: capture the first lrmoe cell.
         peak_tflops: the device's dense bf16 peak, for the utilisation.
+        methods: a subset of :data:`METHODS`. titan_attention: the torchtitan cells'
+            attention (:data:`lrmoe.bench.titan_step.TITAN_ATTENTIONS`).
 
     Raises:
-        ValueError: ``steps <= warmup``, a bad preset or setting (from the trainer).
+        ValueError: ``steps <= warmup``, an unknown method or attention, a bad preset or
+            setting (from the trainer).
+        ModuleNotFoundError: a titan method without torchtitan (naming
+            requirements/torchtitan.txt).
     """
     from lrmoe.training import train as T
 
     if steps <= warmup:
         raise ValueError(f"--steps ({steps}) must exceed --warmup ({warmup})")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise ValueError(f"--methods must be some of {', '.join(METHODS)}; got "
+                         f"{list(methods)}")
+    titan = [m for m in METHODS[1:] if m in methods]
+    if titan:
+        from lrmoe.bench import titan_step as TS
+
+        TS.require_titan()
+        if titan_attention not in TS.TITAN_ATTENTIONS:
+            raise ValueError(f"--titan-attention must be one of "
+                             f"{', '.join(TS.TITAN_ATTENTIONS)}; got {titan_attention!r}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    cells = []
-    for attention in attentions:
+    common = [*sets, f"run.steps={steps}", "run.eval_every=0", "run.eval_batches=1",
+              "run.checkpoints=false", "run.time_moe=true", "run.progress=none"]
+    cells: List[Dict[str, Any]] = []
+    fpt = None
+
+    def finish(cell: Dict[str, Any], flops: float) -> None:
+        cell["flops_per_token"] = flops
+        cell["mfu"] = cell["tokens_per_s"] * flops / (peak_tflops * 1e12)
+        cell["moe_share"] = (cell["moe_time_ms"] / cell["step_ms"]
+                             if cell.get("moe_time_ms") else None)
+        cells.append(cell)
+        (out_dir / "step.json").write_text(json.dumps(cells, indent=2) + "\n")
+
+    for attention in (attentions if "lrmoe" in methods else []):
         for c in rates:
             name = f"{attention}-c{c:g}"
             cfg = T.build_config(preset, sets=[
-                *sets, f"run.steps={steps}", "run.eval_every=0", "run.eval_batches=1",
-                "run.checkpoints=false", "run.time_moe=true", "run.progress=none",
-                f"run.attention={attention}", f"lrmoe.recalibration_rate={c}",
+                *common, f"run.attention={attention}", f"lrmoe.recalibration_rate={c}",
                 f"run.out_dir={out_dir / name}"])
-            fpt = flops_per_token(cfg.model, cfg.data.vocab_size, cfg.data.seq_len)
             first = profile and not cells
-            cell = {"name": name, "attention": attention, "rate": c,
+            cell = {"name": name, "method": "lrmoe", "attention": attention, "rate": c,
                     **run_cell(cfg, warmup, profile_steps=2 if first else 0)}
-            cell["mfu"] = cell["tokens_per_s"] * fpt / (peak_tflops * 1e12)
-            cell["moe_share"] = (cell["moe_time_ms"] / cell["step_ms"]
-                                 if cell.get("moe_time_ms") else None)
-            cells.append(cell)
-            (out_dir / "step.json").write_text(json.dumps(cells, indent=2) + "\n")
+            fpt = flops_per_token(cfg.model, cell["vocab_size"], cfg.data.seq_len)
+            finish(cell, fpt)
+    if titan:
+        cfg = T.build_config(preset, sets=[*common, f"run.out_dir={out_dir / 'titan'}"])
+        data = TS.load_preset_data(cfg)
+        if fpt is None:
+            fpt = flops_per_token(cfg.model, data.vocab_size, cfg.data.seq_len)
+        runs = ([("titan", None)] if "titan" in titan else []) + \
+            ([("titan-lrmoe", c) for c in rates] if "titan-lrmoe" in titan else [])
+        from lrmoe.training.setup import resolve_device
+
+        backend = TS.resolve_attention(titan_attention, resolve_device(cfg.run.device))
+        for method, c in runs:
+            name = f"{method}-{backend}" + ("" if c is None else f"-c{c:g}")
+            got = TS.train_titan(cfg, data, titan_attention, c, out_dir / name)
+            cell = {"name": name, "method": method, "attention": got["attention"],
+                    "rate": c, **_summary(out_dir / name, warmup), "peak_gib": got["peak_gib"]}
+            finish(cell, got["flops_per_token"])
+
+    def tps(pred: Any) -> Optional[float]:
+        ref = next((b for b in cells if pred(b)), None)
+        return ref["tokens_per_s"] if ref else None
+
+    titan_tps = tps(lambda b: b["method"] == "titan")
+    lrmoe_tps = tps(lambda b: b["method"] == "lrmoe" and b["rate"] == 0)
     for cell in cells:
-        base = next((b for b in cells if b["attention"] == cell["attention"]
-                     and b["rate"] == 0), None)
-        cell["speedup_vs_c0"] = cell["tokens_per_s"] / base["tokens_per_s"] if base else None
+        same = cell["method"]
+        base = None if same == "titan" else tps(
+            lambda b: b["method"] == same and b["attention"] == cell["attention"]
+            and b["rate"] == 0)
+        cell["speedup_vs_c0"] = cell["tokens_per_s"] / base if base else None
+        cell["vs_titan"] = cell["tokens_per_s"] / titan_tps if titan_tps else None
+        cell["vs_lrmoe_c0"] = cell["tokens_per_s"] / lrmoe_tps if lrmoe_tps else None
     result = {"preset": preset, "steps": steps, "warmup": warmup, "sets": list(sets),
-              "peak_tflops": peak_tflops, "flops_per_token": fpt, "cells": cells}
+              "methods": list(methods), "peak_tflops": peak_tflops,
+              "flops_per_token": fpt, "device": _device_name(), "cells": cells}
     (out_dir / "step.json").write_text(json.dumps(result, indent=2) + "\n")
     (out_dir / "step.md").write_text(markdown(result))
     return result
 
 
+def _device_name() -> str:
+    """The GPU's name (timings of two cards must never mix unknowingly), else ``cpu``."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
 def markdown(result: Dict[str, Any]) -> str:
     """The cells as a markdown table (and the profile of the first cell)."""
+    titan = any(c.get("method", "lrmoe") != "lrmoe" for c in result["cells"])
     lines = [f"preset {result['preset']}, {result['steps']} steps (first {result['warmup']} "
              f"left out), model FLOPs {result['flops_per_token'] / 1e9:.2f} GFLOP/token, "
-             f"peak {result['peak_tflops']:g} TFLOP/s", "",
-             "| cell | tok/s | step ms | MoE ms (fwd + bwd) | MoE share | MFU | peak GiB | x c=0 |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"peak {result['peak_tflops']:g} TFLOP/s, device {result.get('device', '?')}",
+             "",
+             "| cell | tok/s | step ms | MoE ms (fwd + bwd) | MoE share | MFU | peak GiB "
+             "| x c=0 |" + (" x titan | x lrmoe c=0 |" if titan else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|---|" if titan else "")]
+
+    def ratio(x: Optional[float]) -> str:
+        return f"{x:.3f}" if x else "-"
+
     for c in result["cells"]:
         moe = (f"{c['moe_time_ms']:.1f} ({c['moe_forward_ms']:.1f} + {c['moe_backward_ms']:.1f})"
                if c.get("moe_time_ms") else "-")
         share = f"{100 * c['moe_share']:.0f} %" if c.get("moe_share") else "-"
         peak = f"{c['peak_gib']:.1f}" if c.get("peak_gib") else "-"
-        ratio = f"{c['speedup_vs_c0']:.3f}" if c.get("speedup_vs_c0") else "-"
-        lines.append(f"| {c['name']} | {c['tokens_per_s']:,.0f} | {c['step_ms']:.1f} | {moe} "
-                     f"| {share} | {100 * c['mfu']:.1f} % | {peak} | {ratio} |")
+        row = (f"| {c['name']} | {c['tokens_per_s']:,.0f} | {c['step_ms']:.1f} | {moe} "
+               f"| {share} | {100 * c['mfu']:.1f} % | {peak} | {ratio(c['speedup_vs_c0'])} |")
+        if titan:
+            row += f" {ratio(c.get('vs_titan'))} | {ratio(c.get('vs_lrmoe_c0'))} |"
+        lines.append(row)
     prof = next((c for c in result["cells"] if "profile_ms" in c), None)
     if prof is not None:
         total = sum(prof["profile_ms"].values())

@@ -16,7 +16,7 @@ never fires); with activation checkpointing the recomputed forward counts as for
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -30,9 +30,11 @@ class MoELayerTimer:
     Args:
         model: the patched model (its MoE layers are found with ``moe_layers``).
         device: the model's device (CUDA events there, host clock elsewhere).
+        layers: the modules to bracket instead (any ``nn.Module`` whose forward takes
+            tensors, e.g. torchtitan's ``MoE`` blocks); None finds lrmoe's MoE layers.
 
     Raises:
-        ValueError: the model has no MoE layer.
+        ValueError: the model has no MoE layer (or ``layers`` is empty).
 
     Use::
 
@@ -42,10 +44,13 @@ class MoELayerTimer:
         ms = timer.step_ms()   # {"moe_time_ms", "moe_forward_ms", "moe_backward_ms"}
     """
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
-        from lrmoe.integrations.transformers import moe_layers
+    def __init__(self, model: nn.Module, device: torch.device,
+                 layers: Optional[Sequence[nn.Module]] = None) -> None:
+        if layers is None:
+            from lrmoe.integrations.transformers import moe_layers
 
-        layers = [m for _, m in moe_layers(model)]
+            layers = [m for _, m in moe_layers(model)]
+        layers = list(layers)
         if not layers:
             raise ValueError("run.time_moe needs a model with MoE layers; this one has none")
         self.clock = DeviceClock(device)

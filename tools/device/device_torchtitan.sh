@@ -10,20 +10,7 @@
 set -uo pipefail
 source "$(dirname "$0")/device_common.sh"
 device_setup "${OUT:-titan-logs}" "${WORK:-/tmp/lrmoe-titan}"
-site="$work/site"
-if "$py" -c "import torchtitan" 2>/dev/null; then
-  log "torchtitan already importable: $("$py" -c 'import torchtitan, os; print(os.path.dirname(torchtitan.__file__))')"
-else
-  wheels=(.whl/*.whl)
-  [[ -e "${wheels[0]}" ]] || { log "no wheels in .whl/ (carry it; see the header)"; exit 1; }
-  # --no-deps: torchtitan's declared requirements are its trainer's (requirements/torchtitan.txt);
-  # never triton: the CUDA torch brings its own
-  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target "$site" "${wheels[@]}" > "$work/pip.log" 2>&1 \
-    || { tail -20 "$work/pip.log" >> "$out/log.txt"; log "pip install FAILED"; exit 1; }
-  export PYTHONPATH="$PYTHONPATH:$site"
-  log "installed $(ls .whl | tr '\n' ' ')into $site"
-fi
+device_torchtitan_install
 device_build
 "$py" -c "import torch, triton, torchtitan; from lrmoe.integrations.torchtitan import require_torchtitan; require_torchtitan(); print('torch', torch.__version__, 'triton', triton.__version__)" \
   2>&1 | tee -a "$out/log.txt"

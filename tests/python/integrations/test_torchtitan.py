@@ -18,6 +18,7 @@ import torch
 from lrmoe.integrations.torchtitan import (LRMoETitanConfig, collect_diagnostics,
                                            require_torchtitan, set_recalibration,
                                            swap_moe, swapped_layers)
+from lrmoe.integrations.torchtitan_qwen3 import build_qwen3_moe, qwen3_moe_config
 
 try:
     require_torchtitan()
@@ -31,87 +32,18 @@ BF16_TOL = 3e-2  # relative to the largest entry; as lrmoe/bench/method.py BF16_
 FP32_TOL = 1e-5
 
 
-def _qwen3_model_module():
-    """``torchtitan.models.qwen3.model`` (Qwen3Model, Qwen3TransformerBlock).
-
-    torchtitan 0.3.0's ``qwen3/__init__.py`` imports its FSDP helpers
-    (torchtitan/distributed/fsdp.py), which need ``torch.distributed.fsdp.
-    DataParallelMeshDims`` (torch >= 2.12); the model module itself does not. On an older
-    torch (the GPU image's 2.11) the package is stood in for by an empty one so that only
-    the model module loads; any other import error is raised.
-    """
-    try:
-        from torchtitan.models.qwen3 import model
-        return model
-    except ImportError as exc:
-        if "DataParallelMeshDims" not in str(exc):
-            raise
-    import importlib
-    import os
-    import sys
-    import types
-    import torchtitan.models
-    pkg = types.ModuleType("torchtitan.models.qwen3")
-    pkg.__path__ = [os.path.join(os.path.dirname(torchtitan.models.__file__), "qwen3")]
-    sys.modules["torchtitan.models.qwen3"] = pkg
-    return importlib.import_module("torchtitan.models.qwen3.model")
-
-
 def qwen3_config():
-    """The config of a 2-layer Qwen3 MoE built from torchtitan's own config helpers, with
-    the settings of torchtitan 0.3.0's ``_build_qwen3_moe_layers`` (softmax router with
-    route_norm, qk-norm, fused qkv, flex attention, std 0.02 init with the residual
-    outputs scaled by 1/sqrt(2 n_layers))."""
-    from functools import partial
-    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-    from torchtitan.models.common.config_utils import (get_attention_config, make_gqa_config,
-                                                       make_moe_config,
-                                                       make_routed_experts_config,
-                                                       make_router_config)
-    from torchtitan.models.common.nn_modules import RMSNorm
-    q3 = _qwen3_model_module()
-    layers, vocab, head_dim = 2, 64, 16
-    linear = {"weight": partial(torch.nn.init.normal_, std=0.02),
-              "bias": torch.nn.init.zeros_}
-    residual = partial(torch.nn.init.normal_, std=0.02 / (2 * layers) ** 0.5)
-
-    def norm(dim):
-        return RMSNorm.Config(normalized_shape=dim, eps=1e-6,
-                              param_init={"weight": torch.nn.init.ones_})
-
-    blocks = [q3.Qwen3TransformerBlock.Config(
-        attention_norm=norm(DIM), ffn_norm=norm(DIM),
-        attention=make_gqa_config(
-            dim=DIM, n_heads=2, n_kv_heads=1, head_dim=head_dim, wqkv_param_init=linear,
-            wo_param_init={"weight": residual, "bias": torch.nn.init.zeros_},
-            inner_attention=get_attention_config("flex"), fuse_qkv=True,
-            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=64, theta=1e6),
-            qk_norm=norm(head_dim)),
-        moe=make_moe_config(
-            num_experts=EXPERTS,
-            router=make_router_config(dim=DIM, num_experts=EXPERTS, gate_param_init=linear,
-                                      top_k=TOP_K, score_func="softmax", route_norm=True),
-            routed_experts=make_routed_experts_config(
-                dim=DIM, hidden_dim=INTER, num_experts=EXPERTS, top_k=TOP_K,
-                param_init={"w1_EFD": linear["weight"], "w2_EDF": residual,
-                            "w3_EFD": linear["weight"]},
-                comm_backend="standard")))
-        for _ in range(layers)]
-    return q3.Qwen3Model.Config(
-        vocab_size=vocab, dim=DIM, norm=norm(DIM),
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=DIM,
-                                        param_init={"weight": linear["weight"]}),
-        lm_head=Linear.Config(in_features=DIM, out_features=vocab, param_init=linear),
-        layers=blocks)
+    """A 2-layer Qwen3 MoE from torchtitan's own config helpers
+    (lrmoe.integrations.torchtitan_qwen3: the settings of torchtitan 0.3.0's
+    ``_build_qwen3_moe_layers``, flex attention)."""
+    return qwen3_moe_config(dim=DIM, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
+                            moe_inter=INTER, num_experts=EXPERTS, top_k=TOP_K,
+                            vocab_size=64, max_seq_len=64)
 
 
 def qwen3_model(seed: int = 0, cfg=None) -> torch.nn.Module:
     """The model of ``cfg`` (default :func:`qwen3_config`), initialised by torchtitan."""
-    cfg = qwen3_config() if cfg is None else cfg
-    torch.manual_seed(seed)
-    model = cfg.build()
-    model.init_states()
-    return model
+    return build_qwen3_moe(qwen3_config() if cfg is None else cfg, seed)
 
 
 def deepseek_moe(seed: int = 0) -> torch.nn.Module:
