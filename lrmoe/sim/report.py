@@ -20,14 +20,16 @@ from __future__ import annotations
 import json
 import math
 import time
+from importlib import resources
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 
 from lrmoe.sim import simulate as S
 from lrmoe.sim.costs import Costs
 from lrmoe.sim.links import Links
+from lrmoe.workload.drift import load_fit
 from lrmoe.workload.loads import cluster_loads
 from lrmoe.utils.paths import check_output
 from lrmoe.workload.shapes import MODELS
@@ -62,6 +64,13 @@ def add_sim_arguments(p) -> None:
                    "--record-trace); default synthetic Zipf skew")
     p.add_argument("--skew", type=float, default=2.0,
                    help="synthetic max/mean expert load per layer")
+    p.add_argument("--drift", default="off", metavar="off|fitted|PHI,SIGMA[,JITTER]",
+                   help="synthetic loads: each layer's log-popularity drifts across steps as "
+                        "an AR(1) (lrmoe.workload.loads.drift_popularity): 'fitted' takes "
+                        "phi, sigma and jitter fitted to a real trace (configs/drift/"
+                        "gcide-tiny-e32.json; docs/simulation.md, 'Popularity drift'), or "
+                        "give them; off (default): a fixed popularity, so SYMI's one-step "
+                        "lag costs nothing")
     p.add_argument("--rate", type=float, default=0.3, help="lrmoe recalibration rate c")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     p.add_argument("--budget-gib", type=float, default=80.0)
@@ -104,6 +113,37 @@ def add_sim_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="sim-out", help="folder for sim.json and the PNGs")
+
+
+#: the AR(1) drift fitted to the recorded GCIDE trace (docs/simulation.md, "Popularity drift")
+FITTED_DRIFT = Path(str(resources.files("lrmoe") / "configs" / "drift" / "gcide-tiny-e32.json"))
+
+
+def parse_drift(value: str) -> Optional[Tuple[float, ...]]:
+    """``--drift`` -> None (off) or (phi, sigma) / (phi, sigma, jitter).
+
+    Raises:
+        ValueError: not off, fitted or PHI,SIGMA[,JITTER] with phi in [0, 1] and sigma,
+            jitter >= 0 (naming the flag and the forms it takes).
+    """
+    v = value.strip().lower()
+    if v in ("off", "none", "0"):
+        return None
+    if v == "fitted":
+        return load_fit(FITTED_DRIFT)
+    form = ("--drift takes off, fitted or PHI,SIGMA[,JITTER] (the AR(1) persistence per "
+            "step in [0, 1], the std of log-popularity's persistent change per step >= 0 "
+            f"and of its non-persistent part >= 0, e.g. 0.97,0.1,0.1); got {value!r}")
+    parts = v.split(",")
+    if len(parts) not in (2, 3):
+        raise ValueError(form)
+    try:
+        nums = tuple(float(x) for x in parts)
+    except ValueError:
+        raise ValueError(form) from None
+    if not (0.0 <= nums[0] <= 1.0 and all(x >= 0.0 for x in nums[1:])):
+        raise ValueError(form)
+    return nums
 
 
 def _memory(shape, args, offload=False):
@@ -153,6 +193,11 @@ def run_sim(args) -> dict:
     if not args.skew >= 1:
         raise ValueError(f"--skew is the max/mean expert load per layer, >= 1 (1: uniform), "
                          f"got {args.skew}")
+    drift = parse_drift(getattr(args, "drift", "off"))
+    if drift is not None and args.trace is not None:
+        raise ValueError("--drift is for synthetic loads; --trace replays its recorded steps "
+                         "in order (their own drift): pass one of them")
+    args.drift_fit = drift
     if any(not m > 0 for m in args.pressure):
         raise ValueError(f"--pressure multipliers must be > 0, got {args.pressure}")
     e = MODELS[args.model].num_experts
@@ -190,7 +235,8 @@ def run_sim(args) -> dict:
     links = Links.from_file(args.links, flag="--links")
     t0 = time.time()
     loads = cluster_loads(args.gpus, shape.num_experts, args.tokens_per_gpu, shape.top_k,
-                            args.steps, layers, args.skew, args.trace, args.seed)
+                            args.steps, layers, args.skew, args.trace, args.seed,
+                            drift=args.drift_fit)
     out: dict = dict(label=SIMULATED, note="every number here is simulated by lrmoe sim "
                      "(csrc/sim) from a cost model, not measured", paper=PAPER,
                      setup=dict(model=args.model, gpus=args.gpus, steps=args.steps,
@@ -200,7 +246,9 @@ def run_sim(args) -> dict:
                                 resident_gib=args.resident_gib, offload=args.offload,
                                 replica_slots=args.replica_slots,
                                 balance_slack=args.balance_slack,
-                                dedup_top_k=args.dedup_top_k),
+                                dedup_top_k=args.dedup_top_k,
+                                drift=None if args.drift_fit is None else
+                                dict(zip(("phi", "sigma", "jitter"), args.drift_fit))),
                      costs=dict(file=args.costs, shape=costs.shape, meta=costs.meta),
                      links=dict(name=links.name, sources=links.sources,
                                 per_peer_us=links.per_peer_us, chunks=links.chunks),
@@ -248,7 +296,7 @@ def pressure(args, shape, costs, links, layers) -> dict:
     few = min(layers, 4)
     loads = cluster_loads(args.gpus, shape.num_experts, args.pressure_tokens_per_gpu,
                             shape.top_k, args.pressure_steps, few, args.skew, args.trace,
-                            args.seed + 1)
+                            args.seed + 1, drift=getattr(args, "drift_fit", None))
     mem = _memory(shape, args, args.offload)
     out: dict = {"multipliers": list(args.pressure), "base_tokens_per_gpu":
                  args.pressure_tokens_per_gpu, "policies": {}}
@@ -346,7 +394,9 @@ def scale(args, shape, costs, links, layers) -> dict:
         groups = max(1, w // ep)
         loads = np.stack([cluster_loads(ep, shape.num_experts, args.tokens_per_gpu,
                                         shape.top_k, steps, few, args.skew, args.trace,
-                                        args.seed + 2, group=g) for g in range(groups)],
+                                        args.seed + 2, group=g,
+                                        drift=getattr(args, "drift_fit", None))
+                          for g in range(groups)],
                          axis=1)
         model = S.step_model(shape, groups, args.hbm_gbps, args.dense_params, layers)
         for pol in args.policies:

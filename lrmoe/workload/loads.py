@@ -142,9 +142,54 @@ def trace_loads(path: os.PathLike, num_ranks: int, tokens_per_rank: Optional[int
     return load, meta
 
 
+def drift_popularity(num_experts: int, steps: int, max_over_mean: float, phi: float,
+                     sigma: float, popularity_seed: int, jitter: float = 0.0) -> np.ndarray:
+    """(S, E) float64 expert popularity (each row sums to 1) whose log drifts as an AR(1)
+    (issue 30): p_s = w exp(z_s + jitter eta_s) / sum, with w the shuffled Zipf weights of
+    :func:`synthetic_loads` (same ``popularity_seed``, so step 0 is exactly that
+    popularity when jitter = 0) and z_0 = 0, z_{s+1,e} = phi z_{s,e} + sigma eps_{s,e};
+    eps, eta ~ N(0, 1) drawn from ``popularity_seed`` alone (every group of a cluster sees
+    the same drift). ``jitter`` is a per-step change that does not persist (a batch's own
+    routing beyond the multinomial draw: the fit's excess noise at lag 0).
+
+    phi and sigma are per training step; docs/simulation.md, "Popularity drift" fits
+    them to a recorded trace (:func:`lrmoe.workload.drift.fit_ar1`). With phi < 1, z is
+    mean-reverting with stationary std sigma / sqrt(1 - phi^2), so the skew wanders
+    around (and on average above) the Zipf's instead of growing without bound.
+
+    Raises:
+        ValueError: phi outside [0, 1], sigma < 0, or what :func:`zipf_exponent` raises.
+    """
+    if not 0.0 <= phi <= 1.0:
+        raise ValueError(f"drift phi (AR(1) persistence per step) must be in [0, 1], got {phi}")
+    if not sigma >= 0.0:
+        raise ValueError(f"drift sigma (std of log-popularity's change per step) must be "
+                         f">= 0, got {sigma}")
+    if not jitter >= 0.0:
+        raise ValueError(f"drift jitter (std of log-popularity's non-persistent part) must "
+                         f"be >= 0, got {jitter}")
+    a = 0.0 if max_over_mean == 1.0 else zipf_exponent(num_experts, max_over_mean)
+    w = np.arange(1, num_experts + 1, dtype=np.float64) ** -a
+    np.random.default_rng(popularity_seed).shuffle(w)  # as synthetic_loads shuffles p
+    eps = np.random.default_rng([popularity_seed, 3]).standard_normal((steps, num_experts))
+    # drawn only when asked, so that jitter 0 leaves every other draw as it was
+    eta = (jitter * np.random.default_rng([popularity_seed, 4]).standard_normal(
+        (steps, num_experts)) if jitter > 0 else np.zeros((steps, num_experts)))
+    z = np.zeros(num_experts)
+    out = np.empty((steps, num_experts))
+    for s in range(steps):
+        if s > 0:
+            z = phi * z + sigma * eps[s]
+        y = z + eta[s]
+        q = w * np.exp(y - y.max())  # shifted: the exp cannot overflow
+        out[s] = q / q.sum()
+    return out
+
+
 def cluster_loads(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k: int,
                   steps: int, layers: int, max_over_mean: float = 2.0,
-                  trace: Optional[str] = None, seed: int = 0, group: int = 0) -> np.ndarray:
+                  trace: Optional[str] = None, seed: int = 0, group: int = 0,
+                  drift: Optional[Tuple[float, ...]] = None) -> np.ndarray:
     """(S, Lyr, W, E) int64 routed pairs for a cluster.
 
     ``group`` numbers one expert-parallel group of a larger cluster (its data-parallel
@@ -160,8 +205,16 @@ def cluster_loads(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k:
     tokens_per_rank tokens (the recorded skew at the paper's batch) and dealt to the
     sources in blocks.
 
+    ``drift`` = (phi, sigma) or (phi, sigma, jitter) (synthetic only; None or sigma =
+    jitter = 0: off, the fixed popularity above, bit for bit): each layer's popularity
+    drifts across steps,
+    :func:`drift_popularity` from the layer's popularity seed, so a policy that plans from
+    the previous step's loads (SYMI) plans for a popularity that has since moved. A trace
+    replays its recorded steps in order, so it carries its own drift already.
+
     Raises:
-        ValueError: non-positive sizes, or a trace of another E / top_k.
+        ValueError: non-positive sizes, a trace of another E / top_k, ``drift`` with a
+            trace, or a bad (phi, sigma).
     """
     if group < 0:
         raise ValueError(f"group must be >= 0 (an EP group's index), got {group}")
@@ -170,6 +223,25 @@ def cluster_loads(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k:
                          f">= 1; got {num_ranks}, {num_experts}, {tokens_per_rank}, {steps}, "
                          f"{layers}")
     out = np.zeros((steps, layers, num_ranks, num_experts), dtype=np.int64)
+    if drift is not None and trace is not None:
+        raise ValueError("drift is for synthetic loads; a trace replays its recorded steps "
+                         "(and their drift) in order: pass one of drift and trace")
+    if drift is not None and len(drift) not in (2, 3):
+        raise ValueError(f"drift must be (phi, sigma) or (phi, sigma, jitter), got {drift}")
+    jitter = float(drift[2]) if drift is not None and len(drift) == 3 else 0.0
+    if drift is not None and (drift[1] > 0 or jitter > 0):
+        phi, sigma = float(drift[0]), float(drift[1])
+        for l in range(layers):
+            p_SE = drift_popularity(num_experts, steps, max_over_mean, phi, sigma,
+                                    popularity_seed=seed + 104729 * (l + 1), jitter=jitter)
+            for s in range(steps):
+                # the draw of synthetic_loads (same seed per step, layer and group)
+                rng = np.random.default_rng([seed + 7919 * s + l + 1_000_003 * group, 1])
+                out[s, l] = rng.multinomial(tokens_per_rank * top_k, p_SE[s], size=num_ranks)
+        return out
+    if drift is not None:  # sigma 0: no drift; checked like any other
+        drift_popularity(num_experts, 1, max_over_mean, float(drift[0]), float(drift[1]),
+                         0, jitter)
     if trace is None:
         for s in range(steps):
             for l in range(layers):

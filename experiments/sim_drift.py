@@ -1,0 +1,101 @@
+"""What popularity drift costs each policy in ``lrmoe sim`` (issue 30; docs/simulation.md,
+"Popularity drift"): the same EP group simulated with ``--drift off`` and each given
+drift over several seeds; per policy the mean per-layer fwd + bwd time (ms, simulated)
+with its spread over the seeds, and SYMI's gap to UltraEP and LRMoE. ``symi_nolag`` is
+the control: SYMI planned from each step's *own* loads (every step simulated alone, so
+the simulator has no previous step to hand it), on the same loads: symi - symi_nolag is
+what the one-step lag costs, apart from what drift does to the skew.
+
+    python experiments/sim_drift.py --seeds 0 1 2 3 4 --drift off fitted 0.715,1.523 \\
+        --steps 32 --layers 8 --out /tmp/sim-drift
+
+Every run is ``lrmoe sim --costs configs/costs/h200.json --gpus 8 --steps S --layers L
+--pressure --seed K --drift D --out OUT/D-K`` (no batch pressure: the per-layer figures
+only); the table is printed and written to OUT/sim_drift.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from lrmoe import cli
+from lrmoe.sim import report as R
+from lrmoe.sim.costs import Costs
+from lrmoe.sim.links import Links
+from lrmoe.sim.report import run_sim
+from lrmoe.workload.loads import cluster_loads
+from lrmoe.workload.shapes import MODELS
+
+POLS = ("fixed", "ultraep", "symi", "lrmoe", "symi_nolag")
+
+
+def symi_nolag(args) -> float:
+    """Mean per-layer fwd + bwd (ms) of SYMI planning from each step's own loads: the
+    loads of ``run_sim`` (same call of cluster_loads), one step per simulator call."""
+    shape = MODELS[args.model]
+    layers = args.layers or shape.moe_layers
+    loads = cluster_loads(args.gpus, shape.num_experts, args.tokens_per_gpu, shape.top_k,
+                          args.steps, layers, args.skew, args.trace, args.seed,
+                          drift=R.parse_drift(args.drift))
+    costs = Costs.from_file(args.costs, args.model)
+    links = Links.from_file(args.links)
+    t = []
+    for s in range(args.steps):
+        r = R._run(args, shape, costs, links, "symi", loads[s:s + 1])
+        ok = r["feasible"] > 0  # as summarize: the mean over the plans that fit
+        t.append((r["fwd_ms"] + r["bwd_ms"])[ok])
+    return float(np.mean(np.concatenate(t)))
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    ap.add_argument("--drift", nargs="+", default=["off", "fitted"])
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--skew", type=float, default=2.0)
+    ap.add_argument("--costs", default="configs/costs/h200.json")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    table = {}
+    for d in a.drift:
+        per, feas = {p: [] for p in POLS}, {}
+        for k in a.seeds:
+            args = cli.build_parser().parse_args(
+                ["sim", "--costs", a.costs, "--gpus", "8", "--steps", str(a.steps), "--layers",
+                 str(a.layers), "--skew", str(a.skew), "--pressure", "--seed", str(k),
+                 "--drift", d, "--threads", "1", "--out", f"{a.out}/{d.replace(',', '_')}-{k}"])
+            out = run_sim(args)
+            per["symi_nolag"].append(symi_nolag(args))
+            for p in POLS[:-1]:
+                s = out["policies"][p]
+                per[p].append(s["fwd_ms"] + s["bwd_ms"])  # over its plans that fit
+                feas.setdefault(p, []).append(s["feasible"])
+        row = {p: dict(mean=float(np.mean(v)), std=float(np.std(v, ddof=1)) if len(v) > 1
+                       else 0.0, seeds=v) for p, v in per.items()}
+        row["feasible"] = {p: float(np.mean(v)) for p, v in feas.items()}
+        for ref in ("ultraep", "lrmoe", "symi_nolag"):  # paired per seed
+            gap = np.array(per["symi"]) / np.array(per[ref]) - 1
+            row[f"symi_over_{ref}"] = dict(mean=float(gap.mean()),
+                                           std=float(gap.std(ddof=1)) if len(gap) > 1 else 0.0)
+        table[d] = row
+        print(f"--drift {d}: " + "  ".join(
+            f"{p} {row[p]['mean']:.3f} +- {row[p]['std']:.3f}" for p in POLS)
+            + f"  symi/ultraep-1 {100 * row['symi_over_ultraep']['mean']:+.2f} % "
+            f"+- {100 * row['symi_over_ultraep']['std']:.2f}  symi/lrmoe-1 "
+            f"{100 * row['symi_over_lrmoe']['mean']:+.2f} % +- "
+            f"{100 * row['symi_over_lrmoe']['std']:.2f}  lag symi/symi_nolag-1 "
+            f"{100 * row['symi_over_symi_nolag']['mean']:+.2f} % +- "
+            f"{100 * row['symi_over_symi_nolag']['std']:.2f}  feasible "
+            + " ".join(f"{p} {v:.2f}" for p, v in row["feasible"].items()))
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "sim_drift.json").write_text(json.dumps(dict(args=vars(a), table=table),
+                                                           indent=1) + "\n")
+    return table
+
+
+if __name__ == "__main__":
+    main()
