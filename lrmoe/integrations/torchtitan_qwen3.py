@@ -42,6 +42,7 @@ def qwen3_model_module() -> ModuleType:
     from lrmoe.integrations.torchtitan import require_torchtitan
 
     require_torchtitan("the torchtitan Qwen3 model")
+    _block_mask_compat()
     try:
         from torchtitan.models.qwen3 import model
         return model
@@ -58,6 +59,42 @@ def qwen3_model_module() -> ModuleType:
     pkg.__path__ = [os.path.join(os.path.dirname(torchtitan.models.__file__), "qwen3")]
     sys.modules["torchtitan.models.qwen3"] = pkg
     return importlib.import_module("torchtitan.models.qwen3.model")
+
+
+def _block_mask_compat() -> None:
+    """Let torchtitan 0.3.0's flex mask build on a torch whose ``create_block_mask`` has no
+    ``separate_full_blocks`` keyword (2.11, the GPU image's torch).
+
+    torchtitan's decoder passes ``separate_full_blocks=not batch_invariant``; a torch
+    without the keyword always separates full blocks, which is the same mask and the
+    keyword's default, so the wrapper drops it when it is True and refuses the
+    batch-invariant request (False), which such a torch cannot honour. Idempotent; a torch
+    with the keyword is left alone.
+
+    Raises:
+        RuntimeError: (from the wrapper) batch-invariant mode asked on such a torch.
+    """
+    import inspect
+
+    from torch.nn.attention.flex_attention import create_block_mask
+    if "separate_full_blocks" in inspect.signature(create_block_mask).parameters:
+        return
+    from torchtitan.models.common import attention, decoder
+    if getattr(decoder.create_attention_mask, "_lrmoe_compat", False):
+        return
+    inner = attention.create_attention_mask
+
+    def create_attention_mask(*args: Any, separate_full_blocks: bool = True,
+                              **kwargs: Any) -> Any:
+        if not separate_full_blocks:
+            raise RuntimeError("torchtitan asked for a batch-invariant flex mask "
+                               "(separate_full_blocks=False), which this torch's "
+                               "create_block_mask cannot build; use torch >= 2.12 or "
+                               "leave batch-invariant mode off")
+        return inner(*args, **kwargs)
+
+    create_attention_mask._lrmoe_compat = True  # type: ignore[attr-defined]
+    decoder.create_attention_mask = create_attention_mask
 
 
 def qwen3_moe_config(*, dim: int, n_layers: int, n_heads: int, n_kv_heads: int,

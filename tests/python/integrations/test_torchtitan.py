@@ -324,3 +324,34 @@ def test_fsdp2_two_ranks_equal_torchtitan(tmp_path):
     assert result["sharded"] == "DTensor"  # the parameters are sharded between steps
     assert len(result["errs"]) >= 5
     assert all(e < FP32_TOL for e in result["errs"].values()), result
+
+
+def test_block_mask_compat_drops_only_the_default_keyword(monkeypatch):
+    """On a torch whose ``create_block_mask`` lacks ``separate_full_blocks`` (2.11), the
+    shim passes torchtitan's call through without the keyword when it is True (the old
+    torch's only behaviour) and refuses False; a torch with the keyword is left alone."""
+    import torch.nn.attention.flex_attention as fa
+    from torchtitan.models.common import attention, decoder
+
+    from lrmoe.integrations import torchtitan_qwen3 as tq
+
+    calls = []
+    monkeypatch.setattr(attention, "create_attention_mask",
+                        lambda *a, **k: calls.append((a, k)) or "mask")
+    monkeypatch.setattr(decoder, "create_attention_mask", attention.create_attention_mask)
+    monkeypatch.setattr(fa, "create_block_mask", lambda mask_mod, B, H, Q, KV, device="cpu",
+                        BLOCK_SIZE=128: None)  # the 2.11 signature, no keyword
+    tq._block_mask_compat()
+    patched = decoder.create_attention_mask
+    assert patched("m", 2, None, 8, 8, device="cpu", separate_full_blocks=True) == "mask"
+    assert calls == [(("m", 2, None, 8, 8), {"device": "cpu"})]
+    with pytest.raises(RuntimeError, match="batch-invariant"):
+        patched("m", 2, None, 8, 8, separate_full_blocks=False)
+    tq._block_mask_compat()  # idempotent: not wrapped twice
+    assert decoder.create_attention_mask is patched
+
+    monkeypatch.setattr(decoder, "create_attention_mask", attention.create_attention_mask)
+    monkeypatch.setattr(fa, "create_block_mask",
+                        lambda mask_mod, B, H, Q, KV, separate_full_blocks=True: None)
+    tq._block_mask_compat()  # a torch with the keyword: untouched
+    assert decoder.create_attention_mask is attention.create_attention_mask
