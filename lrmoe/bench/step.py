@@ -33,7 +33,7 @@ import json
 import re
 import statistics
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
@@ -83,6 +83,47 @@ def _records(run: Path, warmup: int) -> List[Dict[str, Any]]:
     return [r for r in rows if r["kind"] == "train" and r["step"] > warmup]
 
 
+def profile_tables(events: Iterable[Any], steps: int) -> Dict[str, Any]:
+    """Device time per step of a profiler capture, by :data:`KINDS` category and by kernel
+    family.
+
+    Args:
+        events: ``torch.profiler.profile.events()`` (FunctionEvent-like: ``name``,
+            ``device_type``, ``device_time`` in us, ``is_user_annotation``).
+        steps: the training steps the capture spans (> 0); times are divided by it.
+
+    Returns:
+        ``{"profile_ms": {category: ms per step}, "profile_kernels": [[family, ms per
+        step, launches per step], ...]}``, the categories largest first, the
+        :data:`TOP_KERNELS` largest families.
+
+    Raises:
+        ValueError: ``steps`` < 1.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1 (the profiled steps), got {steps}")
+    from lrmoe.bench.profile import kernel_family
+
+    kinds: Dict[str, float] = {}
+    kernels: Dict[str, List[float]] = {}
+    for e in events:
+        # record_function ranges (lrmoe.* phases, Optimizer.step#...) also appear on the
+        # GPU timeline as annotations spanning their kernels: counting them counted those
+        # kernels twice
+        if (e.device_type != torch.autograd.DeviceType.CUDA
+                or getattr(e, "is_user_annotation", False)):
+            continue
+        ms = e.device_time / 1e3 / steps
+        k = _kind(e.name)
+        kinds[k] = kinds.get(k, 0.0) + ms
+        row = kernels.setdefault(f"{k}: {kernel_family(e.name)[:90]}", [0.0, 0])
+        row[0] += ms
+        row[1] += 1 / steps
+    return {"profile_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "profile_kernels": sorted(([n, ms, cnt] for n, (ms, cnt) in kernels.items()),
+                                      key=lambda r: -r[1])[:TOP_KERNELS]}
+
+
 def run_cell(cfg: Any, warmup: int, profile_steps: int = 0) -> Dict[str, Any]:
     """Train ``cfg`` (a :class:`lrmoe.training.config.TrainConfig` with checkpoints off)
     and summarise its steps after ``warmup``; with ``profile_steps`` > 0 also capture
@@ -110,21 +151,7 @@ def run_cell(cfg: Any, warmup: int, profile_steps: int = 0) -> Dict[str, Any]:
            # data.vocab_size on a small corpus
            "vocab_size": int(result.model.config.vocab_size)}
     if prof is not None:
-        from lrmoe.bench.profile import kernel_family
-
-        kinds: Dict[str, float] = {}
-        kernels: Dict[str, List[float]] = {}
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                ms = e.device_time / 1e3 / profile_steps
-                k = _kind(e.name)
-                kinds[k] = kinds.get(k, 0.0) + ms
-                row = kernels.setdefault(f"{k}: {kernel_family(e.name)[:90]}", [0.0, 0])
-                row[0] += ms
-                row[1] += 1 / profile_steps
-        out["profile_ms"] = dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
-        out["profile_kernels"] = sorted(([n, ms, cnt] for n, (ms, cnt) in kernels.items()),
-                                        key=lambda r: -r[1])[:TOP_KERNELS]
+        out.update(profile_tables(prof.events(), profile_steps))
     del result
     gc.collect()
     if torch.cuda.is_available():

@@ -46,3 +46,30 @@ def test_two_cells_on_the_cpu(tmp_path):
     assert (out / "step.md").read_text().count("| sdpa-c") == 2
     with pytest.raises(ValueError, match="must exceed --warmup"):
         bench_step("tiny", [0.0], ["sdpa"], steps=2, warmup=2, sets=sets, out_dir=out)
+
+
+def test_profile_tables_skip_annotations_and_sum_by_hand():
+    """Kernels summed per category and family per step; GPU-side record_function ranges
+    (which span kernels already counted) and host events are left out."""
+    from types import SimpleNamespace as E
+
+    import torch
+
+    from lrmoe.bench.step import profile_tables
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [E(name="void cutlass::device_kernel<X>(int)", device_type=cuda, device_time=3000.0),
+              E(name="void cutlass::device_kernel<Y>(int)", device_type=cuda, device_time=1000.0),
+              E(name="lrmoe.expert_gemm_fwd", device_type=cuda, device_time=3900.0,
+                is_user_annotation=True),
+              E(name="Optimizer.step#AdamW.step", device_type=cuda, device_time=500.0,
+                is_user_annotation=True),
+              E(name="void at::native::multi_tensor_apply_kernel<A>(B)", device_type=cuda,
+                device_time=400.0),
+              E(name="aten::mm", device_type=cpu, device_time=0.0)]
+    got = profile_tables(events, steps=2)
+    assert got["profile_ms"] == {"matmul": 2.0, "optimizer": 0.2}
+    assert got["profile_kernels"] == [["matmul: cutlass::device_kernel", 2.0, 1.0],
+                                      ["optimizer: at::native::multi_tensor_apply_kernel", 0.2, 0.5]]
+    with pytest.raises(ValueError, match="steps"):
+        profile_tables(events, steps=0)
