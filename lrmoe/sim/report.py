@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from importlib import resources
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -92,8 +93,9 @@ def add_sim_arguments(p) -> None:
     p.add_argument("--pressure-tokens-per-gpu", type=int, default=4096,
                    help="base batch of Fig. 6 (docs/simulation.md says why 4096)")
     p.add_argument("--pressure-steps", type=int, default=2)
-    p.add_argument("--results", default=None,
-                   help="experiments results.json for Table 1 (steps to loss)")
+    p.add_argument("--results", nargs="+", default=None, metavar="RESULTS_JSON",
+                   help="experiments results.json file(s) for Table 1 (steps to loss, "
+                        "per seed; several files are merged)")
     p.add_argument("--targets", nargs="*", type=float, default=[],
                    help="target validation losses of Table 1")
     p.add_argument("--scale", nargs="*", type=int, default=[],
@@ -210,7 +212,7 @@ def run_sim(args) -> dict:
     # inputs read only after the simulation, and the output, are checked before it
     if args.validate is not None:
         read_bench(args.validate, args.costs)  # its records and shapes, before the simulation
-    for flag, f in (("--trace", args.trace), ("--results", args.results)):
+    for flag, f in [("--trace", args.trace)] + [("--results", r) for r in args.results or []]:
         if f is not None and not Path(f).is_file():
             raise FileNotFoundError(f"{flag} {f}: no such file")
         if f is not None and flag != "--trace":
@@ -325,37 +327,79 @@ def pressure(args, shape, costs, links, layers) -> dict:
     return out
 
 
-def steps_to_loss(results: str, target: float, rate: float) -> Optional[int]:
-    """First evaluation step with val_loss <= target of the results.json cell at ``rate``
-    with the default LRMoE settings (mean over seeds; None if a seed never reaches it)."""
-    cells = json.loads(Path(results).read_text())
-    if isinstance(cells, dict):
-        cells = cells.get("cells", [])
-    found = []
-    for c in cells:
-        lab = c.get("labels", {})
-        if abs(float(lab.get("rate", -1)) - rate) > 1e-9 or lab.get("metric", "lrm") != "lrm" \
-                or lab.get("selection", "none") not in ("none", "topk"):
-            continue
-        hit = [e["step"] for e in c.get("evals", []) if e["val_loss"] <= target]
-        found.append(hit[0] if hit else None)
-    if not found or any(f is None for f in found):
-        return None
-    return int(round(sum(found) / len(found)))
+def steps_to_loss(results: Sequence[str], target: float, rate: float) -> Dict[int, float]:
+    """Per seed, the step at which the validation loss of the results.json cell at
+    ``rate`` (default LRMoE metric, any selection label but random) first reaches
+    ``target``, linearly interpolated between the two evaluations around the crossing
+    (so a 25-step evaluation grid does not round every answer up to its next evaluation);
+    a cell already at or below the target at its first evaluation gives that step.
+
+    Args:
+        results: results.json files (a list of cells, or ``{"cells": [...]}``); cells with
+            the same seed in two files: the later file wins.
+        target: validation loss (nats). rate: the cell's ``labels.rate``.
+
+    Returns:
+        {seed: step (float)} for the seeds that reach ``target``; a seed whose run never
+        reaches it (or stopped before) is absent.
+    """
+    found: Dict[int, float] = {}
+    for path in ([results] if isinstance(results, str) else results):
+        cells = json.loads(Path(path).read_text())
+        if isinstance(cells, dict):
+            cells = cells.get("cells", [])
+        for c in cells:
+            lab = c.get("labels", {})
+            if abs(float(lab.get("rate", -1)) - rate) > 1e-9 \
+                    or lab.get("metric", "lrm") != "lrm" or lab.get("selection") == "random":
+                continue
+            ev = sorted((float(e["step"]), float(e["val_loss"])) for e in c.get("evals", []))
+            seed = int(lab.get("seed", 0))
+            found.pop(seed, None)
+            for i, (step, loss) in enumerate(ev):
+                if loss <= target:
+                    if i == 0:
+                        found[seed] = step
+                    else:
+                        (s0, l0) = ev[i - 1]
+                        found[seed] = s0 + (step - s0) * (l0 - target) / (l0 - loss)
+                    break
+    return found
 
 
-def table1(results: str, targets: List[float], rate: float, pol: dict) -> List[dict]:
-    """Table 1: per target loss, steps (measured) and simulated MoE minutes per policy:
-    baselines take c = 0's steps, LRMoE the steps at ``rate``; a policy whose plans do not
-    all fit is charged its micro-batched time (``moe_ms_per_step_microbatched``)."""
+def table1(results: Sequence[str], targets: List[float], rate: float, pol: dict) -> List[dict]:
+    """Table 1: per target loss, the steps to it (measured, :func:`steps_to_loss`, per
+    seed) times each policy's simulated MoE minutes per step: baselines take c = 0's
+    steps, LRMoE the steps at ``rate``; a policy whose plans do not all fit is charged its
+    micro-batched time (``moe_ms_per_step_microbatched``).
+
+    Returns:
+        One dict per target: ``steps_c0`` / ``steps_rate`` (means over the seeds that
+        reach the target, None if none does), ``seeds_c0`` / ``seeds_rate`` (those seeds),
+        per policy the mean minutes (None: unreached or infeasible), and
+        ``lrmoe_over_<policy>``: LRMoE's minutes over that baseline's, paired by seed
+        (seeds that reach the target at both c), as {mean, min, max, n}.
+    """
     rows = []
     for t in targets:
         s0, sc = steps_to_loss(results, t, 0.0), steps_to_loss(results, t, rate)
-        row = {"target_loss": t, "steps_c0": s0, "steps_rate": sc}
-        for p, v in pol.items():
-            steps = sc if p == "lrmoe" else s0
-            ms = v.get("moe_ms_per_step_microbatched", v["moe_ms_per_step"])
-            row[p] = None if steps is None or math.isnan(ms) else steps * ms / 60000.0
+        row: Dict[str, Any] = {
+            "target_loss": t, "seeds_c0": sorted(s0), "seeds_rate": sorted(sc),
+            "steps_c0": statistics.fmean(s0.values()) if s0 else None,
+            "steps_rate": statistics.fmean(sc.values()) if sc else None}
+        ms = {p: v.get("moe_ms_per_step_microbatched", v["moe_ms_per_step"])
+              for p, v in pol.items()}
+        for p in pol:
+            steps = row["steps_rate"] if p == "lrmoe" else row["steps_c0"]
+            row[p] = None if steps is None or math.isnan(ms[p]) else steps * ms[p] / 60000.0
+        paired = sorted(set(s0) & set(sc))
+        if "lrmoe" in pol and paired and not math.isnan(ms["lrmoe"]):
+            for p in pol:
+                if p == "lrmoe" or math.isnan(ms[p]):
+                    continue
+                r = [sc[s] * ms["lrmoe"] / (s0[s] * ms[p]) for s in paired]
+                row[f"lrmoe_over_{p}"] = {"mean": statistics.fmean(r), "min": min(r),
+                                          "max": max(r), "n": len(r)}
         rows.append(row)
     return rows
 
@@ -546,6 +590,9 @@ def print_summary(out: dict) -> None:
         print("  --scale (simulated; ms per training step, GPU-us per token per step):")
         print("\n".join("    " + line for line in scale_table(out["scale"]).splitlines()))
     for row in out.get("table1", []):
+        vs = [f"LRMoE/{LABELS[p]} {v['mean']:.3f} ({v['min']:.3f}-{v['max']:.3f}, "
+              f"{v['n']} seeds)" for p in out["policies"]
+              if (v := row.get(f"lrmoe_over_{p}")) is not None]
         print("  table1 loss {target_loss}: ".format(**row) + ", ".join(
             f"{LABELS[p]} {row[p]:.2f} min" if row.get(p) is not None else f"{LABELS[p]} -"
-            for p in out["policies"]))
+            for p in out["policies"]) + (f"; {', '.join(vs)}" if vs else ""))

@@ -213,11 +213,15 @@ def test_sim_cli_writes_json_and_figures_labelled_simulated(tmp_path):
     # lrmoe at c = 0.3 keeps floor(0.7 n) of each layer's pairs; the baselines all
     assert data["policies"]["fixed"]["retained_fraction"] == 1.0
     assert 0.69 < data["policies"]["lrmoe"]["retained_fraction"] <= 0.7
-    # Table 1: c = 0 reaches 4.0 at step 20 (5 - 2 x 0.5), c = 0.3 at step 30 (5 - 3 x 0.4)
+    # Table 1: c = 0 reaches 4.0 at step 20 (5 - 2 x 0.5); c = 0.3 is at 4.2 at step 20
+    # and 3.8 at 30, so it crosses 4.0 half way, at step 25 (interpolated)
     row = data["table1"][0]
-    assert (row["steps_c0"], row["steps_rate"]) == (20, 30)
-    assert row["lrmoe"] == pytest.approx(30 * data["policies"]["lrmoe"]["moe_ms_per_step"]
+    assert (row["steps_c0"], row["steps_rate"]) == (20, 25)
+    assert row["lrmoe"] == pytest.approx(25 * data["policies"]["lrmoe"]["moe_ms_per_step"]
                                          / 60000.0)
+    ms = {p: v["moe_ms_per_step"] for p, v in data["policies"].items()}
+    assert row["lrmoe_over_symi"]["mean"] == pytest.approx(25 * ms["lrmoe"] / (20 * ms["symi"]))
+    assert row["lrmoe_over_symi"]["n"] == 1
     assert [r["gpus"] for r in data["scale"]["policies"]["fixed"]] == [2, 4, 256]
     # 256 GPUs: two data-parallel copies of an EP128 group, both simulated; the cluster
     # waits for the slower, so it is never below the mean group
@@ -497,3 +501,26 @@ def test_cluster_loads_groups_share_popularity_not_draws():
         assert a[:, layer].sum(axis=(0, 1)).argmax() == b[:, layer].sum(axis=(0, 1)).argmax()
     with pytest.raises(ValueError, match="group"):
         cluster_loads(4, 16, 256, 2, 1, 1, group=-1)
+
+
+def test_steps_to_loss_per_seed_interpolated_and_unreached(tmp_path):
+    """Crossings by hand (each assert says how);
+    a seed that never reaches the target is absent, and a cell at the target at its first
+    evaluation gives that step; a second file's cell of the same seed replaces the first's."""
+    from lrmoe.sim.report import steps_to_loss
+
+    def cell(seed, losses, rate=0.0, **lab):
+        return {"labels": {"rate": rate, "seed": seed, **lab},
+                "evals": [{"step": 25 * i, "val_loss": v} for i, v in enumerate(losses)]}
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps([cell(0, [7.0, 6.0, 5.0, 4.0]), cell(1, [7.0, 6.5, 6.1]),
+                             cell(2, [4.0, 3.0]), cell(3, [7.0, 5.0], rate=0.3),
+                             cell(4, [3.0], selection="random")]))
+    # seed 0 at 5.5: between 6.0 (step 25) and 5.0 (step 50): 25 + 25 x 0.5 / 1.0 = 37.5
+    assert steps_to_loss([str(a)], 5.5, 0.0) == {0: 37.5, 2: 0.0}
+    # 4.2: seed 0 between 5.0 (50) and 4.0 (75): 50 + 25 x 0.8 = 70
+    assert steps_to_loss([str(a)], 4.2, 0.0) == pytest.approx({0: 70.0, 2: 0.0})
+    b.write_text(json.dumps({"cells": [cell(0, [7.0, 5.5])]}))
+    assert steps_to_loss([str(a), str(b)], 5.5, 0.0) == {0: 25.0, 2: 0.0}
+    assert steps_to_loss([str(a)], 6.0, 0.3) == {3: 12.5}
