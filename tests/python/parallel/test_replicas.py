@@ -413,7 +413,13 @@ def _train_run(tmp_path, policy):
     assert r.returncode == 0, r.stderr[-3000:]
     a = tep._train_records(straight, "step", "loss", "grad_norm")
     b = tep._train_records(resumed, "step", "loss", "grad_norm")
-    assert [s for s, _, _ in a] == [1, 2, 3] and a == b, (a, b)   # resume exact
+    # resumed: the straight run's steps to float32 rounding, not bitwise -- DDP rebuilds
+    # its buckets after its first iteration, and the resumed run's first step reduces the
+    # dense gradients in the first layout (lrmoe/parallel/data_parallel.py; as
+    # tests/python/parallel/test_dp_ep.py)
+    assert [s for s, _, _ in a] == [1, 2, 3] == [s for s, _, _ in b], (a, b)
+    for (_, la, ga), (_, lb, gb) in zip(a, b):
+        assert la == pytest.approx(lb, rel=1e-5) and ga == pytest.approx(gb, rel=1e-5), (a, b)
     recs = [x for x in map(json.loads, (straight / "metrics.jsonl").read_text().splitlines())
             if x["kind"] == "train"]
     for rec in recs:
