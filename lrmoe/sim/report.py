@@ -5,8 +5,9 @@ the paper's Figs. 6, 7, 8 and Table 1, every one labelled "simulated" (docs/simu
     largest rank of the worst layer;
   * Fig. 8 (latency per MoE layer): forward and backward phases per policy, mean over
     the simulated (step, layer) plans;
-  * Fig. 6 (batch pressure): the base batch multiplied 1x..32x; a plan that does not fit
-    takes more, smaller micro-batches; effective throughput per policy, and the
+  * Fig. 6 (batch pressure): the base batch multiplied 1x..20x; a plan that does not fit
+    takes more, smaller micro-batches, each holding the whole model's activations
+    (``--activations``, csrc/sim/activations.h); effective throughput per policy, and the
     multiplier where a perfectly balanced uncompressed backward stops fitting;
   * Table 1 (MoE-layer time to a loss): steps to each target loss from an experiments
     ``results.json`` times the simulated MoE time per step;
@@ -111,9 +112,10 @@ def add_sim_arguments(p) -> None:
                         "shapes.py; fewer for a pipeline stage)")
     p.add_argument("--dense-token-bytes", type=int, default=None, metavar="B",
                    help="--activations: bytes one token saves per layer outside the experts "
-                        "(default 15 H + 4 E in bf16: the Megatron activation estimate's "
-                        "attention and norms without its flash-attention-free 5as/h term, "
-                        "plus fp32 router probabilities; lrmoe.sim.simulate.dense_token_bytes)")
+                        "(default 15 H + 4 E in bf16: the attention and norms of the Megatron "
+                        "per-layer activation estimate, without its 5as/h score term, which "
+                        "flash attention does not keep, plus fp32 router probabilities; "
+                        "lrmoe.sim.simulate.dense_token_bytes)")
     p.add_argument("--results", default=None,
                    help="experiments results.json for Table 1 (steps to loss)")
     p.add_argument("--targets", nargs="*", type=float, default=[],
@@ -554,7 +556,9 @@ def plot_all(out: dict, d: Path) -> None:
             b = pr["balanced_uncompressed_stops_fitting_at"]
             if b:
                 ax.axvline(b, color="k", ls="--", lw=1, label="balanced c=0 stops fitting")
-            ax.set_xlabel("batch multiplier"); ax.set_title(t + " -- SIMULATED", fontsize=9)
+            mode = pr.get("activations", {}).get("mode", "layer")
+            ax.set_xlabel("batch multiplier")
+            ax.set_title(f"{t} -- SIMULATED\n(--activations {mode})", fontsize=9)
             ax.legend(fontsize=7)
         fig.tight_layout(); fig.savefig(d / "fig6_pressure.png", dpi=110); plt.close(fig)
     if "scale" in out:
