@@ -108,8 +108,9 @@ def add_sim_arguments(p) -> None:
                         "use it")
     p.add_argument("--layers-resident", type=int, default=None, metavar="N",
                    help="--activations: the layers whose activations one GPU holds, the "
-                        "planned one included (default: the model's, lrmoe/workload/"
-                        "shapes.py; fewer for a pipeline stage)")
+                        "planned one included (default: the model's MoE layers, "
+                        "lrmoe/workload/shapes.py moe_layers, 48 for qwen3-30b-a3b; fewer "
+                        "for a pipeline stage)")
     p.add_argument("--dense-token-bytes", type=int, default=None, metavar="B",
                    help="--activations: bytes one token saves per layer outside the experts "
                         "(default 15 H + 4 E in bf16: the attention and norms of the Megatron "
