@@ -34,6 +34,8 @@ struct MemoryModel {
   int64_t budget_bytes = 0;            // B: device memory per GPU
   int64_t resident_bytes = 0;          // parameters, optimizer, attention activations
                                        // outside this layer's experts and token buffers
+                                       // (batch pressure adds the whole model's
+                                       // activations here: sim/activations.h)
 };
 
 enum class PolicyKind : int { kFixed = 0, kUltraEP = 1, kSymi = 2, kLRMoE = 3 };

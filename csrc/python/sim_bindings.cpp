@@ -105,6 +105,51 @@ void bind_sim(py::module_ m) {
       .field("chunks", &LinkModel::chunks, "network/NVLink phases pipelined over (1: in sequence)")
       .done();
 
+  // the whole model's activations under batch pressure (sim/activations.h)
+  py::enum_<sim::ActivationMode>(m, "ActivationMode",
+                                 "What each layer keeps between forward and backward "
+                                 "(sim/activations.h).")
+      .value("layer", sim::ActivationMode::kLayer)
+      .value("keep", sim::ActivationMode::kKeep)
+      .value("recompute", sim::ActivationMode::kRecompute)
+      .value("offload", sim::ActivationMode::kOffload);
+  Struct<sim::ActivationModel>(m, "ActivationModel",
+                               "Per-token / per-row activation bytes of one layer and the "
+                               "layers held (sim/activations.h).")
+      .field("mode", &sim::ActivationModel::mode, "ActivationMode (layer: none, the old model)")
+      .field("layers", &sim::ActivationModel::layers, "layers held on a GPU, the planned one included")
+      .field("top_k", &sim::ActivationModel::top_k, "K routed rows per token")
+      .field("dense_token_bytes", &sim::ActivationModel::dense_token_bytes,
+             "saved per token per layer outside the experts (attention, norms, router)")
+      .field("moe_row_bytes", &sim::ActivationModel::moe_row_bytes,
+             "saved per routed row per layer by the experts (forward_row_bytes)")
+      .field("offload_row_bytes", &sim::ActivationModel::offload_row_bytes,
+             "of moe_row_bytes, what offload moves to the host")
+      .field("input_token_bytes", &sim::ActivationModel::input_token_bytes,
+             "a layer's input per token (H x elem_bytes), kept under recompute")
+      .done();
+  Struct<sim::ActivationBytes>(m, "ActivationBytes",
+                               "Activation bytes on one GPU by part (sim/activations.h).")
+      .field("dense", &sim::ActivationBytes::dense, "attention + norms")
+      .field("moe", &sim::ActivationBytes::moe, "saved expert rows of the other layers")
+      .field("inputs", &sim::ActivationBytes::inputs, "recompute: the other layers' inputs")
+      .done();
+  m.def(
+      "activation_bytes",
+      [](const sim::ActivationModel& model, int64_t tokens) {
+        return sim::activation_bytes(model, tokens);
+      },
+      py::arg("model"), py::arg("tokens"),
+      "activation_bytes(model, tokens) -> ActivationBytes of `tokens` tokens per GPU "
+      "(sim/activations.h gives the formulas).\n\nRaises ValueError naming the bad field.");
+  m.def(
+      "tokens_per_gpu",
+      [](py::handle load_WE, int32_t W, int32_t E, int32_t K) {
+        return sim::tokens_per_gpu(int_vector<int64_t>(load_WE, "load_WE"), W, E, K);
+      },
+      py::arg("load_WE"), py::arg("num_ranks"), py::arg("num_experts"), py::arg("top_k"),
+      "tokens_per_gpu(load_WE, W, E, K) -> the largest source rank's ceil(sum_e L[s][e] / K).");
+
   Struct<SimConfig>(m, "SimConfig", "Costs, links and sizes of a simulated layer.")
       .field("cost", &SimConfig::cost, "CostModel")
       .field("link", &SimConfig::link, "LinkModel")
@@ -115,6 +160,8 @@ void bind_sim(py::module_ m) {
              "saved bytes per forward row moved to the host")
       .field("per_rank_bytes", &SimConfig::per_rank_bytes, "fill LayerResult.sent_bytes_5W")
       .field("top_k", &SimConfig::top_k, "experts per token for the all-to-all dedup (1: none)")
+      .field("activations", &SimConfig::activations,
+             "ActivationModel of batch pressure (mode layer: none)")
       .done();
 
   // lrmoe/sim/simulate.py FIELDS (its result keys) are derived from these fields, in
@@ -159,8 +206,13 @@ void bind_sim(py::module_ m) {
 
   Struct<PressureResult>(m, "PressureResult", "Batch pressure of one layer (sim/sim.h).")
       .field("micro_batches", &PressureResult::micro_batches, "micro-batches (0: none fits)")
-      .field("time_ms", &PressureResult::time_ms, "k x (fwd + bwd); NaN when none fits")
+      .field("time_ms", &PressureResult::time_ms,
+             "k x (fwd + bwd [+ fwd under recompute]); NaN when none fits")
       .field("layer", &PressureResult::layer, "LayerResult of the micro-batch that fits")
+      .field("activation_bytes", &PressureResult::activation_bytes,
+             "that micro-batch's all-layer activation bytes, added to the resident")
+      .field("recompute_ms", &PressureResult::recompute_ms,
+             "k x fwd under recompute (part of time_ms; 0 otherwise)")
       .done();
 
   m.def(

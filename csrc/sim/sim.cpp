@@ -510,27 +510,5 @@ std::vector<LayerResult> simulate_trace(const std::string& policy, const planner
   return out;
 }
 
-PressureResult simulate_pressure(const std::string& policy, const planner::PlanInput& base,
-                                 double multiplier, int32_t max_micro, const SimConfig& cfg) {
-  if (!(multiplier > 0)) throw std::invalid_argument("batch multiplier must be > 0");
-  if (max_micro < 1) throw std::invalid_argument("max_micro_batches must be >= 1");
-  PressureResult pr;
-  planner::PlanInput in = base;
-  for (int32_t k = 1; k <= max_micro; ++k) {
-    for (size_t j = 0; j < base.load_WE.size(); ++j)
-      in.load_WE[j] = static_cast<int64_t>(std::ceil(static_cast<double>(base.load_WE[j]) * multiplier / k - 1e-9));
-    LayerResult r = simulate_layer(policy, in, cfg);
-    if (k == 1) pr.layer = r;
-    if (r.feasible) {
-      pr.micro_batches = k;
-      pr.time_ms = k * (r.fwd_ms + r.bwd_ms);
-      pr.layer = r;
-      return pr;
-    }
-  }
-  pr.time_ms = kNaN;
-  return pr;
-}
-
 }  // namespace sim
 }  // namespace lrmoe

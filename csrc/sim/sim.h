@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "planner/plan.h"
+#include "sim/activations.h"
 #include "sim/roofline.h"
 
 namespace lrmoe {
@@ -80,6 +81,10 @@ struct SimConfig {
   // 1: every (token, expert) pair is its own row, which is what lrmoe's own EP layer
   // sends (lrmoe/parallel); K > 1 models a deduplicating dispatcher (DeepEP-style)
   int32_t top_k = 1;
+  // batch pressure only (simulate_pressure): the activations every other layer of the
+  // model holds at the step's peak, added to the resident (activations.h); mode kLayer
+  // (the default, and the model before issue 30): none
+  ActivationModel activations;
 };
 
 // The grid grouped by experts per rank, each curve sorted by rows (built once per layer).
@@ -191,10 +196,20 @@ std::vector<LayerResult> simulate_trace(const std::string& policy, const planner
 
 // Batch pressure: the loads multiplied by m. A plan that does not fit is split into
 // k = 2, 3, ... micro-batches (loads ceil(m L / k)) until one fits or k > max_micro.
+// With cfg.activations (mode other than kLayer) a micro-batch fits when
+//   resident + activation_bytes(T) + the planned layer's experts and token buffers <= budget,
+// T = tokens_per_gpu of its loads (activations.h): the planner runs with
+// resident_bytes + activation_bytes(T) as its resident; a micro-batch whose activations
+// alone exceed budget - resident is infeasible without a plan (binding kMemory). Under
+// kRecompute every micro-batch's MoE forward runs again in the backward (recompute_ms).
 struct PressureResult {
   int32_t micro_batches = 0;   // 0: no k <= max_micro fits
-  double time_ms = 0;          // k x (fwd + bwd) of one micro-batch; NaN when none fits
+  // k x (fwd + bwd [+ fwd under kRecompute]) of one micro-batch; NaN when none fits
+  double time_ms = 0;
   LayerResult layer;           // the micro-batch that fits (or the m x plan that failed)
+  // the activation bytes of that micro-batch (0 under kLayer), added to the resident
+  int64_t activation_bytes = 0;
+  double recompute_ms = 0;     // k x fwd under kRecompute, part of time_ms (0 otherwise)
 };
 PressureResult simulate_pressure(const std::string& policy, const planner::PlanInput& base,
                                  double multiplier, int32_t max_micro, const SimConfig& cfg);

@@ -55,7 +55,9 @@ class MemoryModel:
             gathered gate/up (4I), phi (2I), grad phi (2I), grad gate/up (4I), dx (2H).
         budget_bytes: B, device memory per GPU.
         resident_bytes: what lives outside this layer's experts and token buffers
-            (parameters, optimizer state, attention activations), measured or configured.
+            (parameters, optimizer state, attention activations), measured or configured;
+            ``lrmoe sim``'s batch pressure adds the whole model's activations of each
+            micro-batch to it (csrc/sim/activations.h).
     """
 
     expert_weight_bytes: int

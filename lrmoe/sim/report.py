@@ -5,8 +5,9 @@ the paper's Figs. 6, 7, 8 and Table 1, every one labelled "simulated" (docs/simu
     largest rank of the worst layer;
   * Fig. 8 (latency per MoE layer): forward and backward phases per policy, mean over
     the simulated (step, layer) plans;
-  * Fig. 6 (batch pressure): the base batch multiplied 1x..32x; a plan that does not fit
-    takes more, smaller micro-batches; effective throughput per policy, and the
+  * Fig. 6 (batch pressure): the base batch multiplied 1x..20x; a plan that does not fit
+    takes more, smaller micro-batches, each holding the whole model's activations
+    (``--activations``, csrc/sim/activations.h); effective throughput per policy, and the
     multiplier where a perfectly balanced uncompressed backward stops fitting;
   * Table 1 (MoE-layer time to a loss): steps to each target loss from an experiments
     ``results.json`` times the simulated MoE time per step;
@@ -93,6 +94,30 @@ def add_sim_arguments(p) -> None:
     p.add_argument("--pressure-tokens-per-gpu", type=int, default=4096,
                    help="base batch of Fig. 6 (docs/simulation.md says why 4096)")
     p.add_argument("--pressure-steps", type=int, default=2)
+    p.add_argument("--activations", default="keep", choices=S.ACTIVATION_MODES,
+                   help="Fig. 6's memory (csrc/sim/activations.h; docs/simulation.md, "
+                        "'Memory and feasibility'): a micro-batch fits when resident + the "
+                        "activations every layer saves for backward + the planned MoE "
+                        "layer's experts and token buffers <= budget. keep (default): every "
+                        "layer keeps all (attention and norms, --dense-token-bytes, and its "
+                        "experts' forward rows); recompute: every layer keeps its input (H "
+                        "bf16 per token), one layer is recomputed at a time (its MoE forward "
+                        "is timed again); offload: as keep with the experts' gate/up rows on "
+                        "the host (as --offload, which it implies). layer: the old default "
+                        "(before issue 30): the planned MoE layer's buffers only, against a "
+                        "fixed --resident-gib. Figs. 7 and 8 are per MoE layer and do not "
+                        "use it")
+    p.add_argument("--layers-resident", type=int, default=None, metavar="N",
+                   help="--activations: the layers whose activations one GPU holds, the "
+                        "planned one included (default: the model's MoE layers, "
+                        "lrmoe/workload/shapes.py moe_layers, 48 for qwen3-30b-a3b; fewer "
+                        "for a pipeline stage)")
+    p.add_argument("--dense-token-bytes", type=int, default=None, metavar="B",
+                   help="--activations: bytes one token saves per layer outside the experts "
+                        "(default 15 H + 4 E in bf16: the attention and norms of the Megatron "
+                        "per-layer activation estimate, without its 5as/h score term, which "
+                        "flash attention does not keep, plus fp32 router probabilities; "
+                        "lrmoe.sim.simulate.dense_token_bytes)")
     p.add_argument("--results", nargs="+", default=None, metavar="RESULTS_JSON",
                    help="experiments results.json file(s) for Table 1 (steps to loss, "
                         "per seed; several files are merged)")
@@ -153,16 +178,30 @@ def _memory(shape, args, offload=False):
                           offload=offload)
 
 
-def _run(args, shape, costs, links, policy, loads, multiplier=0.0, memory=None):
+def _run(args, shape, costs, links, policy, loads, multiplier=0.0, memory=None,
+         activations=None):
     rate = args.rate if policy == "lrmoe" else 0.0
-    mem = memory or _memory(shape, args, args.offload)
+    # --activations offload puts the planned layer's gate/up rows on the host too
+    offload = args.offload or (activations is not None and
+                               activations.mode == S._C.sim.ActivationMode.offload)
+    mem = memory or _memory(shape, args, offload)
     res = S.simulate(loads, policy, mem, costs, links, shape.hidden_size, rate,
                      replica_slots=args.replica_slots, threads=args.threads,
                      balance_slack=None if args.balance_slack < 0 else args.balance_slack,
-                     offload=args.offload,
-                     offload_row_bytes=4 * shape.moe_intermediate_size if args.offload else 0,
-                     multiplier=multiplier, top_k=args.dedup_top_k)
+                     offload=offload,
+                     offload_row_bytes=4 * shape.moe_intermediate_size if offload else 0,
+                     multiplier=multiplier, top_k=args.dedup_top_k, activations=activations)
     return res
+
+
+def _activations(args, shape):
+    """``--activations`` / ``--layers-resident`` / ``--dense-token-bytes`` as the
+    simulator's ActivationModel (None for ``layer``, the old model)."""
+    mode = getattr(args, "activations", "layer")
+    if mode == "layer":
+        return None
+    return S.activation_model(shape, mode, getattr(args, "layers_resident", None),
+                              dense_bytes=getattr(args, "dense_token_bytes", None))
 
 
 def run_sim(args) -> dict:
@@ -184,6 +223,8 @@ def run_sim(args) -> dict:
                         ("--dedup-top-k", args.dedup_top_k, 1),
                         ("--pressure-tokens-per-gpu", args.pressure_tokens_per_gpu, 1),
                         ("--pressure-steps", args.pressure_steps, 1),
+                        ("--layers-resident", getattr(args, "layers_resident", None), 1),
+                        ("--dense-token-bytes", getattr(args, "dense_token_bytes", None), 0),
                         ("--budget-gib", args.budget_gib, 0),
                         ("--resident-gib", args.resident_gib, 0)):
         if v is not None and not v >= lo:
@@ -294,24 +335,35 @@ def pressure(args, shape, costs, links, layers) -> dict:
     ``throughput``: tokens per ms at m x the base batch with the micro-batches it needs,
     over the same policy's at 1x (0 when no count of micro-batches fits). ``one_pass``:
     the largest multiplier <= m that fits in one pass, over m (the share of the batch
-    that can run at once)."""
+    that can run at once). With ``--activations`` other than ``layer`` every micro-batch
+    also holds the whole model's activations (csrc/sim/activations.h): ``activation_GiB``
+    is the largest over the simulated layers, ``recompute_ms`` the recomputed MoE
+    forwards (``recompute`` only, part of ``time_ms``)."""
     few = min(layers, 4)
     loads = cluster_loads(args.gpus, shape.num_experts, args.pressure_tokens_per_gpu,
                             shape.top_k, args.pressure_steps, few, args.skew, args.trace,
                             args.seed + 1, drift=getattr(args, "drift_fit", None))
-    mem = _memory(shape, args, args.offload)
+    act = _activations(args, shape)
+    mem = _memory(shape, args, args.offload or getattr(args, "activations", "") == "offload")
     out: dict = {"multipliers": list(args.pressure), "base_tokens_per_gpu":
-                 args.pressure_tokens_per_gpu, "policies": {}}
+                 args.pressure_tokens_per_gpu, "policies": {},
+                 "activations": dict(mode=getattr(args, "activations", "layer"),
+                                     layers=None if act is None else act.layers,
+                                     dense_token_bytes=None if act is None
+                                     else act.dense_token_bytes,
+                                     moe_row_bytes=None if act is None else act.moe_row_bytes)}
     for pol in args.policies:
         rows = []
         for m in args.pressure:
-            r = _run(args, shape, costs, links, pol, loads, multiplier=m)
+            r = _run(args, shape, costs, links, pol, loads, multiplier=m, activations=act)
             micro = r["micro_batches"]
             ok = bool((micro > 0).all())
             rows.append(dict(multiplier=m, fits=ok, micro_batches=int(micro.max()),
                              retained_fraction=float(r["retained"].sum()
                                                      / max(1.0, r["pairs"].sum())),
                              time_ms=float(r["time_ms"].sum()) if ok else None,
+                             activation_GiB=float(r["activation_bytes"].max()) / GiB,
+                             recompute_ms=float(r["recompute_ms"].sum()) if ok else None,
                              one_pass=bool((micro == 1).all()), reason=r["reason"]))
         base = rows[0]["time_ms"] / rows[0]["multiplier"] if rows[0]["time_ms"] else None
         best_one = 0.0
@@ -323,7 +375,7 @@ def pressure(args, shape, costs, links, layers) -> dict:
             row["one_pass_share"] = min(1.0, best_one / m)
         out["policies"][pol] = rows
     out["balanced_uncompressed_stops_fitting_at"] = S.balanced_boundary(
-        shape, mem, args.gpus, args.pressure_tokens_per_gpu, args.pressure)
+        shape, mem, args.gpus, args.pressure_tokens_per_gpu, args.pressure, act)
     return out
 
 
@@ -549,7 +601,9 @@ def plot_all(out: dict, d: Path) -> None:
             b = pr["balanced_uncompressed_stops_fitting_at"]
             if b:
                 ax.axvline(b, color="k", ls="--", lw=1, label="balanced c=0 stops fitting")
-            ax.set_xlabel("batch multiplier"); ax.set_title(t + " -- SIMULATED", fontsize=9)
+            mode = pr.get("activations", {}).get("mode", "layer")
+            ax.set_xlabel("batch multiplier")
+            ax.set_title(f"{t} -- SIMULATED\n(--activations {mode})", fontsize=9)
             ax.legend(fontsize=7)
         fig.tight_layout(); fig.savefig(d / "fig6_pressure.png", dpi=110); plt.close(fig)
     if "scale" in out:

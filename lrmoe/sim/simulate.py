@@ -47,8 +47,9 @@ def _fields() -> tuple:
 #: fwd_imbalance, bwd_imbalance, owned_experts_max and broadcast_ms (the step terms'
 #: inputs: the most experts a rank owns, symi's per-step weight broadcast of the layer's
 #: copies; csrc/sim/step.h), and micro_batches/time_ms, the batch-pressure answer (1
-#: and fwd + bwd outside it; 0 and NaN when no micro-batch count fits); times in ms,
-#: bytes plain
+#: and fwd + bwd outside it; 0 and NaN when no micro-batch count fits), with its
+#: micro-batch's activation_bytes (the whole model's, added to the resident;
+#: csrc/sim/activations.h) and recompute_ms (0 outside them); times in ms, bytes plain
 FIELDS = _fields()
 
 
@@ -82,13 +83,87 @@ def memory_model(shape: ModelShape, budget_bytes: int, resident_bytes: int,
     return m
 
 
+#: what each layer keeps between its forward and backward under batch pressure
+#: (csrc/sim/activations.h): ``layer`` is the model before issue 30 (one MoE layer's
+#: buffers against a fixed resident)
+ACTIVATION_MODES = ("layer", "keep", "recompute", "offload")
+
+
+def dense_token_bytes(shape: ModelShape, elem_bytes: int = 2) -> int:
+    """Bytes one token saves for backward per layer outside the routed experts:
+    ``15 H x elem_bytes / 2 + 4 E``.
+
+    Source: the per-layer activation estimate of Korthikanti et al., "Reducing Activation
+    Recomputation in Large Transformer Models" (2022), s b h (34 + 5 a s / h) bytes for
+    16-bit activations, of which the attention block is 11 s b h + 5 a s^2 b, the MLP
+    19 s b h and the two layer norms 4 s b h. Kept here: attention 11 H + norms 4 H per
+    token. Dropped: the 5 a s^2 b score/softmax/dropout term (flash attention saves no
+    s x s matrix, only its output and an fp32 log-sum-exp per row and head) and the MLP's
+    19 H (the MoE layer replaces it; its saved rows are counted per routed row from
+    :meth:`MemoryModel.from_shape`'s ``forward_row_bytes``). Added: the router's fp32
+    probabilities, 4 E bytes. An estimate: it ignores GQA's narrower K/V and wider Q
+    (Qwen3-30B-A3B: Q 2 H, K and V H / 4 each) and the attention dropout mask it counts
+    (1 H) is absent from Qwen3's training; ``lrmoe sim --dense-token-bytes`` overrides it.
+
+    Args:
+        shape: H (``hidden_size``) and E (``num_experts``).
+        elem_bytes: bytes per activation element (bf16: 2); the H terms scale with it.
+
+    Returns:
+        int bytes per token per layer (Qwen3-30B-A3B, bf16: 15 x 2048 + 4 x 128 = 31232).
+
+    Raises:
+        ValueError: elem_bytes < 1.
+    """
+    if elem_bytes < 1:
+        raise ValueError(f"elem_bytes must be >= 1 (bf16: 2), got {elem_bytes}")
+    return 15 * shape.hidden_size * elem_bytes // 2 + 4 * shape.num_experts
+
+
+def activation_model(shape: ModelShape, mode: str = "keep", layers: Optional[int] = None,
+                     elem_bytes: int = 2,
+                     dense_bytes: Optional[int] = None) -> "_C.sim.ActivationModel":
+    """The whole model's activations under batch pressure (csrc/sim/activations.h) as a
+    ``lrmoe._C.sim.ActivationModel``: per token per layer ``dense_bytes`` (default
+    :func:`dense_token_bytes`) and a ``H x elem_bytes`` input; per routed row the
+    planner's forward row ``4 H + 4 I`` bytes (:meth:`MemoryModel.from_shape`), of which
+    offload moves the gate/up ``4 I`` to the host (as ``--offload``); ``layers`` held on a
+    GPU (default ``shape.moe_layers``), ``shape.top_k`` rows per token.
+
+    Args:
+        mode: one of :data:`ACTIVATION_MODES`.
+
+    Raises:
+        ValueError: an unknown mode, layers < 1 or dense_bytes < 0 (naming the flag).
+    """
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(f"--activations must be one of {', '.join(ACTIVATION_MODES)}, got "
+                         f"{mode!r}")
+    n = shape.moe_layers if layers is None else layers
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"--layers-resident must be an integer >= 1 (the layers whose "
+                         f"activations one GPU holds; {shape.name} has {shape.moe_layers}), "
+                         f"got {n!r}")
+    d = dense_token_bytes(shape, elem_bytes) if dense_bytes is None else dense_bytes
+    if not d >= 0:
+        raise ValueError(f"--dense-token-bytes must be >= 0, got {d}")
+    h, i = shape.hidden_size, shape.moe_intermediate_size
+    row = MemoryModel.from_shape(shape, 0, 0).forward_row_bytes
+    return _C.sim.ActivationModel(mode=getattr(_C.sim.ActivationMode, mode), layers=int(n),
+                                  top_k=int(shape.top_k), dense_token_bytes=int(d),
+                                  moe_row_bytes=int(row),
+                                  offload_row_bytes=int(2 * 2 * i * elem_bytes // 2),
+                                  input_token_bytes=int(h * elem_bytes))
+
+
 def simulate(load_SLWE: np.ndarray, policy: str, memory: MemoryModel, costs: Costs,
              links: Links, hidden: int, recalibration_rate: float = 0.0,
              replica_slots: int = 2, symi_slots: int = 0, max_expert_cut: float = 0.5,
              balance_slack: Optional[float] = DEFAULT_BALANCE_SLACK, min_replica_rows: int = 1,
              offload: bool = False, offload_row_bytes: int = 0, elem_bytes: int = 2,
              threads: int = 2, per_rank_bytes: bool = False, multiplier: float = 0.0,
-             max_micro_batches: int = 64, chunk_steps: int = 16, top_k: int = 1) -> dict:
+             max_micro_batches: int = 64, chunk_steps: int = 16, top_k: int = 1,
+             activations: Optional["_C.sim.ActivationModel"] = None) -> dict:
     """Simulate every (step, layer) of ``load_SLWE`` under ``policy``.
 
     Args:
@@ -107,9 +182,13 @@ def simulate(load_SLWE: np.ndarray, policy: str, memory: MemoryModel, costs: Cos
         chunk_steps: steps per simulator call (bounds memory at large W x E).
         top_k: experts per token the all-to-alls deduplicate over (:func:`sim_config`;
             1: lrmoe's own EP layer, one row per pair).
+        activations: batch pressure only: the whole model's activations added to the
+            resident of every micro-batch (:func:`activation_model`); None: the old
+            model, one MoE layer's buffers against a fixed resident.
 
     Returns:
-        dict: each of :data:`FIELDS` -> (N,) float64 in (step, layer) order; ``sent_N5W``
+        dict: each of :data:`FIELDS` -> (N,) float64 in (step, layer) order
+        (``activation_bytes`` and ``recompute_ms`` 0 outside batch pressure); ``sent_N5W``
         (N, 5, W) int64 when asked; ``reason``: the first infeasible plan's reason ('').
 
     Raises:
@@ -124,6 +203,8 @@ def simulate(load_SLWE: np.ndarray, policy: str, memory: MemoryModel, costs: Cos
     check_slots(replica_slots, symi_slots, load.shape[3])
     cfg = sim_config(costs, links, hidden, offload=offload, offload_row_bytes=offload_row_bytes,
                      elem_bytes=elem_bytes, per_rank_bytes=per_rank_bytes, top_k=top_k)
+    if activations is not None:
+        cfg.activations = activations
     W = load.shape[2]
     inp = plan_input(W, load.shape[3], memory, recalibration_rate, "proportional",
                      replica_slots, symi_slots, max_expert_cut, 0, min_replica_rows,
@@ -137,22 +218,23 @@ def simulate(load_SLWE: np.ndarray, policy: str, memory: MemoryModel, costs: Cos
                 inp.load_WE = cell
                 p = _C.sim.simulate_pressure(policy, inp, float(multiplier),
                                              int(max_micro_batches), cfg)
-                rows.append((p.layer, p.micro_batches, p.time_ms))
+                rows.append((p.layer, p.micro_batches, p.time_ms, p.activation_bytes,
+                             p.recompute_ms))
         else:
             for r in _C.sim.simulate_trace(policy, inp, chunk, cfg, int(threads), prev):
-                rows.append((r, 1, r.fwd_ms + r.bwd_ms))
+                rows.append((r, 1, r.fwd_ms + r.bwd_ms, 0, 0.0))
         prev = chunk[-1]
-    layers = [r for r, _, _ in rows]
+    layers = [r[0] for r in rows]
     out = {k: np.fromiter(map(get, layers), np.float64, len(layers)) for k, get in _LAYER_GETTERS}
-    out["micro_batches"] = np.array([m for _, m, _ in rows], dtype=np.float64)
-    out["time_ms"] = np.array([t for _, _, t in rows], dtype=np.float64)
+    for j, k in enumerate(("micro_batches", "time_ms", "activation_bytes", "recompute_ms"), 1):
+        out[k] = np.array([r[j] for r in rows], dtype=np.float64)
     if per_rank_bytes:
         # infeasible layers send nothing: zeros, as their fields say no time either
         out["sent_N5W"] = np.stack([r.sent_bytes_5W.reshape(len(SENT_KEYS), W)
                                     if r.sent_bytes_5W.size else
                                     np.zeros((len(SENT_KEYS), W), dtype=np.int64)
-                                    for r, _, _ in rows]).reshape(-1, len(SENT_KEYS), W)
-    out["reason"] = next((r.reason for r, _, _ in rows if not r.feasible), "")
+                                    for r in layers]).reshape(-1, len(SENT_KEYS), W)
+    out["reason"] = next((r.reason for r in layers if not r.feasible), "")
     return out
 
 
@@ -344,15 +426,26 @@ def summarize(res: dict, layers: int) -> dict:
 
 
 def balanced_boundary(shape: ModelShape, memory: MemoryModel, num_ranks: int,
-                      tokens_per_rank: int, multipliers: Sequence[float]) -> Optional[float]:
+                      tokens_per_rank: int, multipliers: Sequence[float],
+                      activations: Optional["_C.sim.ActivationModel"] = None) -> Optional[float]:
     """The first batch multiplier at which a perfectly balanced, uncompressed backward
     (every expert n = T K W / E rows, fixed ownership, c = 0) no longer fits the budget
-    (None when it fits at every multiplier given); the planner's memory model decides."""
+    in one pass (None when it fits at every multiplier given); the planner's memory model
+    decides, with ``activations`` (:func:`activation_model`) of the T = m x
+    ``tokens_per_rank`` tokens added to the resident."""
     from lrmoe.planner.plan import plan
     for m in multipliers:
-        per = int(round(tokens_per_rank * m)) * shape.top_k
+        tokens = int(round(tokens_per_rank * m))
+        per = tokens * shape.top_k
         load = np.full((num_ranks, shape.num_experts), per // shape.num_experts, dtype=np.int64)
         load[:, : per % shape.num_experts] += 1
-        if not plan(load, "fixed", memory).feasible:
+        mem = memory
+        if activations is not None:
+            act = _C.sim.activation_bytes(activations, tokens)
+            extra = act.dense + act.moe + act.inputs
+            if memory.resident_bytes + extra > memory.budget_bytes:
+                return float(m)
+            mem = dataclasses.replace(memory, resident_bytes=memory.resident_bytes + extra)
+        if not plan(load, "fixed", mem).feasible:
             return float(m)
     return None
