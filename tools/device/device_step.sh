@@ -5,7 +5,8 @@
 # torchtitan cells (--titan: torchtitan's Qwen3 MoE model with its own MoE and with LRMoE
 # at each c; torchtitan from the wheels in .whl/, carry it: device_common.sh). Writes
 # log.txt, step.md, step.json under $OUT (device tool) or ./step-out.
-# Usage: [TITAN=1] LRMOE_GCIDE_DIR=data/gcide bash tools/device/device_step.sh [ATTENTION...]
+# Usage: [TITAN=1] [RATES="0 0.3 0.5"] [STEPS=12] [STEP_BUDGET=480] LRMOE_GCIDE_DIR=data/gcide
+#   bash tools/device/device_step.sh [ATTENTION...]
 set -uo pipefail
 source "$(dirname "$0")/device_common.sh"
 device_setup "${OUT:-step-out}" "${WORK:-/tmp/lrmoe-step}"
@@ -15,7 +16,8 @@ if [[ "${TITAN:-0}" == 1 ]]; then device_torchtitan_install; titan=(--titan); fi
 device_build
 attn=("${@:-sdpa flex_attention}")
 # shellcheck disable=SC2068
-timeout "${STEP_BUDGET:-480}" "$py" -m lrmoe bench step --preset qwen3-slice --rates 0 0.3 0.5 \
+# shellcheck disable=SC2086
+timeout "${STEP_BUDGET:-480}" "$py" -m lrmoe bench step --preset qwen3-slice --rates ${RATES:-0 0.3 0.5} \
   --attention ${attn[@]} --steps "${STEPS:-12}" --warmup 4 --profile \
   --set "data.cache_dir=$work/cache" --out "$work/step" "${titan[@]}" >> "$out/log.txt" 2>&1
 log "bench step rc $?"
