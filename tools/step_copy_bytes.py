@@ -13,7 +13,8 @@ E 128, K 8, I 768, vocab 16,384); tokens and layers are arguments, because the b
 affine in both: run two token counts and two layer counts and solve for the per-layer
 constant (weights) and the per-token slope (activations).
 
-The CPU's autocast and attention paths are not the GPU's (no flex/sdpa mask kernels, CPU
+A copy whose input is not contiguous is marked ``(strided)`` (those are the GPU's
+non-vectorised copy kernels). The CPU's autocast and attention paths are not the GPU's (no flex/sdpa mask kernels, CPU
 kernels for lrmoe's own ops), so this accounts for the copies that transformers, autocast
 and the parameter dtypes cause, not for a CUDA kernel's internals.
 
@@ -73,6 +74,11 @@ def count(tokens: int, batch: int, layers: int) -> dict:
             out = func(*args, **(kwargs or {}))
             if any(k in str(func) for k in COPY_OPS):
                 op = func.overloadpacket.__name__
+                # a copy that reads a non-contiguous tensor (a transpose, a slice) is what
+                # the GPU runs as a non-vectorised elementwise kernel
+                if op in READ_OPS and any(isinstance(t, torch.Tensor) and not t.is_contiguous()
+                                          for t in tree_leaves(args)):
+                    op += " (strided)"
                 key = (phase[0], op, stack[-1] if phase[0] == "fwd" else "(backward)")
                 acc[key][0] += _nbytes(out) + (_nbytes(args) if op in READ_OPS else 0)
                 acc[key][1] += 1
