@@ -507,7 +507,7 @@ def test_steps_to_loss_per_seed_interpolated_and_unreached(tmp_path):
     """Crossings by hand (each assert says how);
     a seed that never reaches the target is absent, and a cell at the target at its first
     evaluation gives that step; a second file's cell of the same seed replaces the first's."""
-    from lrmoe.sim.report import steps_to_loss
+    from lrmoe.sim.table1 import steps_to_loss
 
     def cell(seed, losses, rate=0.0, **lab):
         return {"labels": {"rate": rate, "seed": seed, **lab},
