@@ -9,7 +9,8 @@ the step, which ends on the loss's host read), the median MoE-layer time (forwar
 backward, device events: :mod:`lrmoe.training.moe_timer`) and its share of the step, the
 model-FLOP utilisation and the peak CUDA memory. Ratios are against the first cell of the
 same attention at c = 0 in the same run. ``--profile`` adds, for the first cell, one
-``torch.profiler`` capture of two steps: device time per kernel category (:data:`KINDS`).
+``torch.profiler`` capture of two steps: device time per kernel category (:data:`KINDS`),
+per kernel family and per host op that launched it (:func:`profile_ops`).
 
 ``--titan`` (``--methods lrmoe titan titan-lrmoe``) adds, in the same run, torchtitan's
 Qwen3 MoE model at the preset's shape and vocabulary on the same batches, with its own
@@ -52,6 +53,8 @@ KINDS = (
 
 #: kernel families listed in the profile (the most device time first)
 TOP_KERNELS = 30
+#: host ops listed in the profile by their own device time (:func:`profile_ops`)
+TOP_OPS = 30
 
 
 def flops_per_token(model: Any, vocab: int, seq_len: int) -> float:
@@ -124,6 +127,58 @@ def profile_tables(events: Iterable[Any], steps: int) -> Dict[str, Any]:
                                       key=lambda r: -r[1])[:TOP_KERNELS]}
 
 
+def profile_ops(events: Iterable[Any], steps: int, top: int = TOP_OPS) -> List[List[Any]]:
+    """The host ops whose kernels took the most device time: which call made a copy.
+
+    A kernel family (:func:`profile_tables`) says *what* ran (``elementwise_kernel``: a
+    strided copy); this says *who* launched it: each op's own device time (its kernels
+    minus its child ops'), grouped by the op's parent chain, its input shapes and the
+    first source line outside torch on the Python stack of the op or its nearest
+    ancestor that has one (backward ops run on autograd's thread and have no stack: their
+    chain names the autograd node, e.g. ``ToCopyBackward0``).
+
+    Args:
+        events: ``torch.profiler.profile.events()`` of a capture with ``record_shapes``
+            and ``with_stack`` (FunctionEvent-like: ``name``, ``device_type``,
+            ``self_device_time_total`` in us, ``cpu_parent``, ``input_shapes``, ``stack``,
+            ``is_user_annotation``).
+        steps: the training steps the capture spans (> 0). top: rows kept.
+
+    Returns:
+        ``[[chain "op < parent < grandparent < ...", input shapes, source line, ms per
+        step, calls per step], ...]``, the most device time first.
+
+    Raises:
+        ValueError: ``steps`` < 1.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1 (the profiled steps), got {steps}")
+    rows: Dict[tuple, List[float]] = {}
+    for e in events:
+        if (e.device_type != torch.autograd.DeviceType.CPU
+                or getattr(e, "is_user_annotation", False)):
+            continue
+        us = getattr(e, "self_device_time_total", 0.0) or 0.0
+        if us <= 0:
+            continue
+        chain, line, p = [], "", e
+        while p is not None:
+            if len(chain) < 4:
+                chain.append(p.name)
+            if not line:
+                line = next((f for f in (getattr(p, "stack", None) or [])
+                             if "/torch/" not in f and "<built-in" not in f), "")
+            if len(chain) >= 4 and line:
+                break
+            p = p.cpu_parent
+        shapes = getattr(e, "input_shapes", None)
+        key = (" < ".join(chain), str([list(s) for s in shapes]) if shapes else "", line)
+        row = rows.setdefault(key, [0.0, 0.0])
+        row[0] += us / 1e3 / steps
+        row[1] += 1 / steps
+    return sorted(([*k, ms, n] for k, (ms, n) in rows.items()), key=lambda r: -r[3])[:top]
+
+
 def run_cell(cfg: Any, warmup: int, profile_steps: int = 0) -> Dict[str, Any]:
     """Train ``cfg`` (a :class:`lrmoe.training.config.TrainConfig` with checkpoints off)
     and summarise its steps after ``warmup``; with ``profile_steps`` > 0 also capture
@@ -135,7 +190,8 @@ def run_cell(cfg: Any, warmup: int, profile_steps: int = 0) -> Dict[str, Any]:
     if profile_steps:
         from torch.profiler import ProfilerActivity, profile
 
-        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                       record_shapes=True, with_stack=True)
 
     def step_callback(trainer: Any, step: int) -> None:
         if prof is not None and step == warmup:
@@ -151,7 +207,9 @@ def run_cell(cfg: Any, warmup: int, profile_steps: int = 0) -> Dict[str, Any]:
            # data.vocab_size on a small corpus
            "vocab_size": int(result.model.config.vocab_size)}
     if prof is not None:
-        out.update(profile_tables(prof.events(), profile_steps))
+        events = prof.events()
+        out.update(profile_tables(events, profile_steps))
+        out["profile_ops"] = profile_ops(events, profile_steps)
     del result
     gc.collect()
     if torch.cuda.is_available():
@@ -333,4 +391,11 @@ def markdown(result: Dict[str, Any]) -> str:
         lines += ["", f"The {TOP_KERNELS} kernel families with the most device time per step:", "",
                   "| kind: kernel family | ms | launches |", "|---|---|---|"]
         lines += [f"| {n} | {ms:.2f} | {cnt:.0f} |" for n, ms, cnt in prof.get("profile_kernels", [])]
+        if prof.get("profile_ops"):
+            lines += ["", "Host ops by their own device time (op < parent < ...; input "
+                      "shapes; first source line outside torch):", "",
+                      "| op chain | input shapes | source | ms per step | calls per step |",
+                      "|---|---|---|---|---|"]
+            lines += [f"| {ch} | {sh[:120]} | {src[-90:]} | {ms:.2f} | {n:.0f} |"
+                      for ch, sh, src, ms, n in prof["profile_ops"]]
     return "\n".join(lines) + "\n"

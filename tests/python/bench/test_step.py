@@ -73,3 +73,42 @@ def test_profile_tables_skip_annotations_and_sum_by_hand():
                                       ["optimizer: at::native::multi_tensor_apply_kernel", 0.2, 0.5]]
     with pytest.raises(ValueError, match="steps"):
         profile_tables(events, steps=0)
+
+
+def test_profile_ops_group_by_chain_shapes_and_source_by_hand():
+    """Each op's own device time, summed over the calls with the same parent chain,
+    input shapes and first non-torch source line (the nearest ancestor's stack when the
+    op has none); ops without device time, GPU events and annotations left out."""
+    from types import SimpleNamespace as E
+
+    import torch
+
+    from lrmoe.bench.step import profile_ops
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    src = "transformers/models/qwen3/modeling_qwen3.py(88): forward"
+
+    def op(name, parent=None, us=0.0, shapes=None, stack=None, **kw):
+        return E(name=name, device_type=cpu, self_device_time_total=us, cpu_parent=parent,
+                 input_shapes=shapes or [], stack=stack or [], **kw)
+
+    to = op("aten::to", stack=["/x/torch/nn/modules/module.py(1): _call_impl", src])
+    copies = [op("aten::copy_", op("aten::_to_copy", to), us=600.0, shapes=[[4, 8], [4, 8]])
+              for _ in range(3)]
+    other = op("aten::copy_", op("aten::_to_copy", to), us=100.0, shapes=[[2, 2], [2, 2]])
+    bwd = op("aten::copy_", op("autograd::engine::evaluate_function: ToCopyBackward0"),
+             us=900.0, shapes=[[4, 8], [4, 8]])
+    events = [*copies, other, bwd, to, op("aten::mm", us=0.0),
+              op("lrmoe.expert_gemm_fwd", us=5000.0, is_user_annotation=True),
+              E(name="void k<X>()", device_type=cuda, self_device_time_total=7.0)]
+    want = [
+        ["aten::copy_ < aten::_to_copy < aten::to", "[[4, 8], [4, 8]]", src, 0.6, 1.0],
+        ["aten::copy_ < autograd::engine::evaluate_function: ToCopyBackward0",
+         "[[4, 8], [4, 8]]", "", 0.3, 1 / 3],
+        ["aten::copy_ < aten::_to_copy < aten::to", "[[2, 2], [2, 2]]", src, 0.1 / 3, 1 / 3]]
+    got = profile_ops(events, steps=3)
+    assert [r[:3] for r in got] == [[*r[:3]] for r in want]
+    assert [x for r in got for x in r[3:]] == pytest.approx([x for r in want for x in r[3:]])
+    assert len(profile_ops(events, steps=3, top=1)) == 1
+    with pytest.raises(ValueError, match="steps"):
+        profile_ops(events, steps=0)
