@@ -5,7 +5,8 @@
 Grid: c = 0 once per seed (the baseline), and every metric of ``--metrics`` (lrm, grad_sq,
 grad_abs, random) at every rate of ``--rates`` (default 0.3) per seed. Report: dPPL per
 (metric, rate) against c = 0 of the same seed, mean and spread over seeds, and
-``metric_dppl.png``.
+``metric_dppl.png``; and each other metric against ``lrm`` at the same rate and seed
+(:func:`vs_lrm`: the paired difference that says whether lrm's lead is more than noise).
 """
 from __future__ import annotations
 
@@ -32,6 +33,32 @@ def cells(args):
     return out
 
 
+COLUMNS = ["metric", "rate", "ppl", "ppl_sd", "dppl_pct", "dppl_pct_sd", "dppl_pct_lo",
+           "dppl_pct_hi", "dppl_abs", "seeds"]
+
+
+def vs_lrm(records, last_evals):
+    """Every other metric's dPPL against ``lrm`` of the same rate and seed.
+
+    Args:
+        records: the recipe's run records (``labels``: metric, rate, seed).
+        last_evals: evaluations averaged into each run's final perplexity.
+
+    Returns:
+        :func:`analysis.dppl_table` rows (``dppl_pct``: 100 x (ppl / ppl of lrm - 1), mean
+        over the seeds with both runs, its 95 % t interval ``dppl_pct_lo`` / ``_hi``), lrm's
+        own rows left out; none for a rate without an lrm run.
+    """
+    rows = []
+    for c in sorted({r["labels"]["rate"] for r in records if r["labels"]["rate"] != 0}):
+        at_c = [r for r in records if r["labels"]["rate"] == c]
+        if any(r["labels"]["metric"] == "lrm" for r in at_c):
+            rows += [r for r in analysis.dppl_table(
+                at_c, ["metric", "rate"], lambda r: r["labels"]["metric"] == "lrm",
+                last_evals) if r["metric"] != "lrm"]
+    return rows
+
+
 def analyse(records, out, args) -> str:
     rows = analysis.dppl_table(records, ["metric", "rate"],
                                lambda r: r["labels"]["rate"] == 0, args.last_evals)
@@ -39,9 +66,13 @@ def analyse(records, out, args) -> str:
     plots.bars(rows, lambda r: f"{r['metric']} c={r['rate']:g}", "dppl_pct",
                "dppl_pct_sd", out / "metric_dppl.png", ylabel="dPPL vs c = 0 (%)",
                title=f"{args.preset}: dPPL per metric ({args.selection})")
-    return ("## Metric ablation\n\n" + analysis.markdown_table(
-        rows, ["metric", "rate", "ppl", "ppl_sd", "dppl_pct", "dppl_pct_sd", "dppl_pct_lo",
-               "dppl_pct_hi", "dppl_abs", "seeds"]) + "\n\n![dPPL per metric](metric_dppl.png)")
+    text = ("## Metric ablation\n\n" + analysis.markdown_table(rows, COLUMNS)
+            + "\n\n![dPPL per metric](metric_dppl.png)")
+    paired = vs_lrm(records, args.last_evals)
+    if paired:
+        text += ("\n\n## Against lrm (same rate and seed; dPPL > 0: worse than lrm)\n\n"
+                 + analysis.markdown_table(paired, COLUMNS))
+    return text
 
 
 if __name__ == "__main__":

@@ -471,6 +471,24 @@ def test_dppl_table_reports_the_paired_t_interval():
     assert row["dppl_pct_hi"] == pytest.approx(12.5 + half)
 
 
+def test_metric_ablation_pairs_each_metric_with_lrm_of_its_seed_and_rate():
+    import metric_ablation
+
+    def run(seed, metric, rate, ppl):
+        return _rec(seed, [ppl], labels={"metric": metric, "rate": rate})
+
+    recs = [run(0, "none", 0.0, 9.0), run(1, "none", 0.0, 18.0),
+            run(0, "lrm", 0.5, 10.0), run(1, "lrm", 0.5, 20.0),
+            run(0, "random", 0.5, 12.0), run(1, "random", 0.5, 21.0),
+            run(0, "grad_sq", 0.3, 5.0)]  # no lrm at 0.3: no row
+    rows = metric_ablation.vs_lrm(recs, 1)
+    assert [(r["metric"], r["rate"]) for r in rows] == [("random", 0.5)]
+    # seed 0: 12 / 10 -> +20 %, seed 1: 21 / 20 -> +5 %: mean 12.5, sd 15 / sqrt(2)
+    half = math.tan(0.475 * math.pi) * (15 / math.sqrt(2)) / math.sqrt(2)
+    assert rows[0]["dppl_pct"] == pytest.approx(12.5) and rows[0]["seeds"] == 2
+    assert rows[0]["dppl_pct_lo"] == pytest.approx(12.5 - half)
+
+
 def test_sim_drift_pairs_seeds_and_charges_the_lag_only_under_drift(tmp_path):
     """experiments/sim_drift.py on 2 seeds x 8 steps x 2 layers: every policy has one
     number per seed, the paired gaps are the per-seed ratios' mean (recomputed here from
