@@ -227,6 +227,9 @@ def _add_bench_parser(sub: Any) -> None:
     step.add_argument("--warmup", type=int, default=4, help="steps left out of the medians")
     step.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                       help="lrmoe train setting for every cell (repeatable)")
+    step.add_argument("--compile", nargs="+", default=["off"], choices=["off", "on"],
+                      help="run.compile values of the lrmoe cells (torch.compile of the "
+                           "dense modules); 'off on' runs every cell both ways")
     step.add_argument("--profile", action="store_true", help="profile the first cell")
     step.add_argument("--peak-tflops", type=float, default=None,
                       help="the GPU's dense bf16 peak (default: the H200's 989)")
@@ -256,7 +259,8 @@ def _add_bench_parser(sub: Any) -> None:
         result = bench_step(args.preset, args.rates, args.attention, args.steps, args.warmup,
                             args.sets, Path(args.out), profile=args.profile,
                             peak_tflops=args.peak_tflops or H200_BF16_TFLOPS,
-                            methods=methods, titan_attention=args.titan_attention)
+                            methods=methods, titan_attention=args.titan_attention,
+                            compiles=[c == "on" for c in args.compile])
         from lrmoe.bench.step import markdown
         print(markdown(result), end="")
         return 0

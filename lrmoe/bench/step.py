@@ -241,15 +241,17 @@ def _summary(run: Path, warmup: int) -> Dict[str, Any]:
 def bench_step(preset: str, rates: Sequence[float], attentions: Sequence[str], steps: int,
                warmup: int, sets: Sequence[str], out_dir: Path, profile: bool = False,
                peak_tflops: float = H200_BF16_TFLOPS, methods: Sequence[str] = ("lrmoe",),
-               titan_attention: str = "auto") -> Dict[str, Any]:
+               titan_attention: str = "auto", compiles: Sequence[bool] = (False,)
+               ) -> Dict[str, Any]:
     """Every cell of ``methods`` at one preset, one after another, with ratios.
 
-    Cells: ``lrmoe``: every (attention, c) of :func:`run_cell`, named
-    ``{attention}-c{c}``; ``titan``: torchtitan's Qwen3 MoE model with its own MoE, one
+    Cells: ``lrmoe``: every (compile, attention, c) of :func:`run_cell`, named
+    ``{attention}-c{c}`` (``{attention}+compile-c{c}`` with ``run.compile``); ``titan``: torchtitan's Qwen3 MoE model with its own MoE, one
     cell ``titan-{backend}``; ``titan-lrmoe``: that model with LRMoE's experts at each c,
     ``titan-lrmoe-{backend}-c{c}`` (:mod:`lrmoe.bench.titan_step`: the same batches,
     loss, optimizer, clipping and timing as lrmoe train). Ratios of tokens/s in the same
-    run: ``speedup_vs_c0`` (lrmoe cells: to the c = 0 cell of their attention;
+    run: ``speedup_vs_c0`` (lrmoe cells: to the c = 0 cell of their attention and
+    compile setting;
     titan-lrmoe cells: to titan-lrmoe at c = 0), ``vs_titan`` (to the titan cell) and
     ``vs_lrmoe_c0`` (to lrmoe at c = 0 of the first attention); None where the
     reference cell is not in the run.
@@ -260,10 +262,12 @@ def bench_step(preset: str, rates: Sequence[float], attentions: Sequence[str], s
             values of the lrmoe cells. steps, warmup: steps per cell and how many to
             leave out.
         sets: extra ``--set key=value`` items for every cell. out_dir: the cells' run
-            folders and ``step.json`` / ``step.md``. profile: capture the first lrmoe cell.
+            folders and ``step.json`` / ``step.md``. profile: capture the first lrmoe cell
+            of each ``compiles`` value.
         peak_tflops: the device's dense bf16 peak, for the utilisation.
         methods: a subset of :data:`METHODS`. titan_attention: the torchtitan cells'
             attention (:data:`lrmoe.bench.titan_step.TITAN_ATTENTIONS`).
+        compiles: ``run.compile`` values of the lrmoe cells (False: eager).
 
     Raises:
         ValueError: ``steps <= warmup``, an unknown method or attention, a bad preset or
@@ -301,17 +305,21 @@ def bench_step(preset: str, rates: Sequence[float], attentions: Sequence[str], s
         cells.append(cell)
         (out_dir / "step.json").write_text(json.dumps(cells, indent=2) + "\n")
 
-    for attention in (attentions if "lrmoe" in methods else []):
-        for c in rates:
-            name = f"{attention}-c{c:g}"
-            cfg = T.build_config(preset, sets=[
-                *common, f"run.attention={attention}", f"lrmoe.recalibration_rate={c}",
-                f"run.out_dir={out_dir / name}"])
-            first = profile and not cells
-            cell = {"name": name, "method": "lrmoe", "attention": attention, "rate": c,
-                    **run_cell(cfg, warmup, profile_steps=2 if first else 0)}
-            fpt = flops_per_token(cfg.model, cell["vocab_size"], cfg.data.seq_len)
-            finish(cell, fpt)
+    if not compiles:
+        raise ValueError("--compile needs at least one of off, on")
+    lrmoe_cells = [(k, a, c) for k in compiles for a in attentions for c in rates]
+    for compiled, attention, c in (lrmoe_cells if "lrmoe" in methods else []):
+        name = f"{attention}{'+compile' if compiled else ''}-c{c:g}"
+        cfg = T.build_config(preset, sets=[
+            *common, f"run.attention={attention}", f"lrmoe.recalibration_rate={c}",
+            f"run.compile={str(bool(compiled)).lower()}", f"run.out_dir={out_dir / name}"])
+        # the first cell of each compile setting: the profile before and after compiling
+        first = profile and not any(b.get("compile") == bool(compiled) for b in cells)
+        cell = {"name": name, "method": "lrmoe", "attention": attention, "rate": c,
+                "compile": bool(compiled),
+                **run_cell(cfg, warmup, profile_steps=2 if first else 0)}
+        fpt = flops_per_token(cfg.model, cell["vocab_size"], cfg.data.seq_len)
+        finish(cell, fpt)
     if titan:
         cfg = T.build_config(preset, sets=[*common, f"run.out_dir={out_dir / 'titan'}"])
         data = TS.load_preset_data(cfg)
@@ -339,7 +347,7 @@ def bench_step(preset: str, rates: Sequence[float], attentions: Sequence[str], s
         same = cell["method"]
         base = None if same == "titan" else tps(
             lambda b: b["method"] == same and b["attention"] == cell["attention"]
-            and b["rate"] == 0)
+            and b.get("compile") == cell.get("compile") and b["rate"] == 0)
         cell["speedup_vs_c0"] = cell["tokens_per_s"] / base if base else None
         cell["vs_titan"] = cell["tokens_per_s"] / titan_tps if titan_tps else None
         cell["vs_lrmoe_c0"] = cell["tokens_per_s"] / lrmoe_tps if lrmoe_tps else None
@@ -380,8 +388,7 @@ def markdown(result: Dict[str, Any]) -> str:
         if titan:
             row += f" {ratio(c.get('vs_titan'))} | {ratio(c.get('vs_lrmoe_c0'))} |"
         lines.append(row)
-    prof = next((c for c in result["cells"] if "profile_ms" in c), None)
-    if prof is not None:
+    for prof in (c for c in result["cells"] if "profile_ms" in c):
         total = sum(prof["profile_ms"].values())
         lines += ["", f"Device time per step by kernel kind ({prof['name']}, torch.profiler, "
                       f"2 steps; busy {total:.1f} ms of a {prof['step_ms']:.1f} ms step):", "",

@@ -25,7 +25,7 @@ RESUME_MUTABLE_FIELDS = frozenset({
     "run.steps", "run.eval_every", "run.eval_batches", "run.log_every", "run.save_every",
     "run.keep_checkpoints", "run.out_dir", "run.device", "run.torch_threads", "run.progress",
     "data.cache_dir", "run.record_trace", "run.trace_every", "run.tensorboard",
-    "run.time_moe", "run.export", "run.attention", "run.checkpoints"})
+    "run.time_moe", "run.export", "run.attention", "run.checkpoints", "run.compile"})
 #: may change on resume together, as long as the global batch (their product, in
 #: micro-batches of data.batch_size) stays: the checkpoint re-shards (lrmoe.parallel.state)
 RESUME_LAYOUT_FIELDS = ("parallel.ep_size", "parallel.dp_size", "data.grad_accum")

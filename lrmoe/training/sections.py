@@ -316,6 +316,11 @@ class RunConfig:
             block-diagonal mask as a dense boolean tensor) or ``flex_attention`` (torch's
             flex attention with a block mask of the packed examples: only the blocks an
             example covers are computed). The same math; may change on resume.
+        compile: ``torch.compile`` the dense part of every decoder layer (its attention
+            and both RMSNorms, and the final norm; :func:`lrmoe.training.setup.compile_dense`):
+            the casts, norms, RoPE and transposes around the attention fuse into a few
+            kernels. The MoE layers stay eager (their kernels are lrmoe's own). The same
+            math up to fusion rounding; may change on resume.
         checkpoints: write checkpoints (every ``save_every`` steps, at the end, on
             Ctrl-C) and the export; false for benchmarks that only measure (nothing to
             resume, nothing exported).
@@ -342,6 +347,7 @@ class RunConfig:
     tensorboard: bool = False
     time_moe: bool = False
     attention: str = "sdpa"
+    compile: bool = False
     checkpoints: bool = True
     export: bool = True
 
@@ -368,6 +374,8 @@ class RunConfig:
             raise ValueError(f"run.tensorboard must be true or false, got {self.tensorboard!r}")
         if not isinstance(self.time_moe, bool):
             raise ValueError(f"run.time_moe must be true or false, got {self.time_moe!r}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"run.compile must be true or false, got {self.compile!r}")
         if not isinstance(self.checkpoints, bool):
             raise ValueError(f"run.checkpoints must be true or false, got {self.checkpoints!r}")
         if not isinstance(self.export, bool):

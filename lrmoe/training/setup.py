@@ -177,3 +177,50 @@ def build_model(cfg: TrainConfig, data: LMData, source: Optional[Path], *,
         log("model: Qwen3MoeForCausalLM, random init")
     log(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters")
     return model
+
+
+#: the dense children of a transformers decoder layer that :func:`compile_dense` compiles
+DENSE_CHILDREN = ("input_layernorm", "self_attn", "post_attention_layernorm")
+
+
+def compile_dense(model: nn.Module) -> int:
+    """``torch.compile`` (in place, ``nn.Module.compile``) the dense modules of every decoder
+    layer of a transformers causal LM -- :data:`DENSE_CHILDREN` -- and its final norm.
+
+    Why these and not the whole layer: the MoE block is lrmoe's own kernels and autograd
+    (nothing for inductor to fuse, and data-dependent shapes), while around the attention
+    transformers runs a chain of small memory-bound ops -- RMSNorm's fp32 casts, q/k norms,
+    RoPE on transposed views, the casts autocast inserts -- that a profile of the
+    ``qwen3-slice`` step shows as a large share of its copies (docs/results.md).
+    Parameter names, the state dict and checkpoints are unchanged (the modules keep their
+    parameters; only their call goes through the compiled graph).
+
+    Args:
+        model: a transformers ``*ForCausalLM`` whose decoder layers are
+            ``model.model.layers`` (Qwen3-MoE, Mixtral, GLM-4 MoE, ...).
+
+    Returns:
+        The number of modules compiled.
+
+    Raises:
+        ValueError: the model has no ``model.layers`` or a layer none of
+            :data:`DENSE_CHILDREN` (naming ``run.compile``).
+    """
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not layers:
+        raise ValueError(f"run.compile: {type(model).__name__} has no model.layers to "
+                         "compile; set run.compile=false")
+    n = 0
+    for index, layer in enumerate(layers):
+        found = [getattr(layer, name) for name in DENSE_CHILDREN if hasattr(layer, name)]
+        if not found:
+            raise ValueError(f"run.compile: decoder layer {index} has none of "
+                             f"{', '.join(DENSE_CHILDREN)}; set run.compile=false")
+        for module in found:
+            module.compile()
+            n += 1
+    norm = getattr(model.model, "norm", None)
+    if isinstance(norm, nn.Module):
+        norm.compile()
+        n += 1
+    return n

@@ -190,6 +190,9 @@ class Trainer:
                 layer.trace, layer.layer_index = self.trace, index
         self.model.to(self.device)
         self.model.train()
+        if cfg.run.compile:
+            log(f"run.compile: {setup.compile_dense(self.model)} dense modules compiled "
+                "(the first steps include the compilation)")
         # the planner's resident bytes (unless given): measured once, the same on every rank
         self.placement.set_up(cfg.parallel, self.device, self.group)
         self.moe_timer = make_timer(cfg.run.time_moe, self.model, self.device)

@@ -5,7 +5,8 @@
 # torchtitan cells (--titan: torchtitan's Qwen3 MoE model with its own MoE and with LRMoE
 # at each c; torchtitan from the wheels in .whl/, carry it: device_common.sh). Writes
 # log.txt, step.md, step.json under $OUT (device tool) or ./step-out.
-# Usage: [TITAN=1] [RATES="0 0.3 0.5"] [STEPS=12] [STEP_BUDGET=480] LRMOE_GCIDE_DIR=data/gcide
+# COMPILE="off on" runs every lrmoe cell eager and with run.compile (each profiled first).
+# Usage: [TITAN=1] [COMPILE="off"] [RATES="0 0.3 0.5"] [STEPS=12] [STEP_BUDGET=480] LRMOE_GCIDE_DIR=data/gcide
 #   bash tools/device/device_step.sh [ATTENTION...]
 set -uo pipefail
 source "$(dirname "$0")/device_common.sh"
@@ -18,7 +19,7 @@ attn=("${@:-sdpa flex_attention}")
 # shellcheck disable=SC2068
 # shellcheck disable=SC2086
 timeout "${STEP_BUDGET:-480}" "$py" -m lrmoe bench step --preset qwen3-slice --rates ${RATES:-0 0.3 0.5} \
-  --attention ${attn[@]} --steps "${STEPS:-12}" --warmup 4 --profile \
+  --attention ${attn[@]} --steps "${STEPS:-12}" --warmup 4 --profile --compile ${COMPILE:-off} \
   --set "data.cache_dir=$work/cache" --out "$work/step" "${titan[@]}" >> "$out/log.txt" 2>&1
 log "bench step rc $?"
 cp "$work/step/step.md" "$work/step/step.json" "$out/" 2>/dev/null

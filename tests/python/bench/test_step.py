@@ -112,3 +112,26 @@ def test_profile_ops_group_by_chain_shapes_and_source_by_hand():
     assert len(profile_ops(events, steps=3, top=1)) == 1
     with pytest.raises(ValueError, match="steps"):
         profile_ops(events, steps=0)
+
+
+def test_compile_cells_have_their_own_baseline(tmp_path):
+    """``compiles=(False, True)``: every c runs eager and compiled, each compiled cell's
+    ratio is to the compiled c = 0 (here itself: 1.0), ``vs_lrmoe_c0`` to the eager one."""
+    base = micro(tmp_path)
+    sets = [f"data.source={base.data.source}", "data.vocab_size=512", "data.seq_len=128",
+            "data.batch_size=4", f"data.cache_dir={tmp_path / 'cache'}", "run.device=cpu",
+            "run.torch_threads=1", "model.hidden_size=32", "model.num_hidden_layers=2",
+            "model.num_attention_heads=2", "model.num_key_value_heads=1", "model.head_dim=16",
+            "model.intermediate_size=64", "model.moe_intermediate_size=16",
+            "model.num_experts=4", "model.num_experts_per_tok=2",
+            "model.max_position_embeddings=128"]
+    result = bench_step("tiny", [0.0], ["sdpa"], steps=3, warmup=1, sets=sets,
+                        out_dir=tmp_path / "bench", compiles=(False, True))
+    eager, compiled = result["cells"]
+    assert (eager["name"], compiled["name"]) == ("sdpa-c0", "sdpa+compile-c0")
+    assert (eager["compile"], compiled["compile"]) == (False, True)
+    assert compiled["speedup_vs_c0"] == 1.0
+    assert compiled["vs_lrmoe_c0"] == compiled["tokens_per_s"] / eager["tokens_per_s"]
+    with pytest.raises(ValueError, match="--compile"):
+        bench_step("tiny", [0.0], ["sdpa"], steps=3, warmup=1, sets=sets,
+                   out_dir=tmp_path / "bench", compiles=())
