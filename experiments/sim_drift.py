@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+import analysis
+
 from lrmoe import cli
 from lrmoe.sim import report as R
 from lrmoe.sim.costs import Costs
@@ -81,9 +83,18 @@ def main(argv=None) -> dict:
             gap = np.array(per["symi"]) / np.array(per[ref]) - 1
             row[f"symi_over_{ref}"] = dict(mean=float(gap.mean()),
                                            std=float(gap.std(ddof=1)) if len(gap) > 1 else 0.0)
+        # The 95 % Student t interval of each mean (analysis.mean_interval; NaN with one
+        # seed) beside the sd, which alone says nothing of the mean's error.
+        for p, v in per.items():
+            row[p]["lo"], row[p]["hi"] = analysis.mean_interval(v)[1:3]
+        for ref in ("ultraep", "lrmoe", "symi_nolag"):
+            gap = np.array(per["symi"]) / np.array(per[ref]) - 1
+            row[f"symi_over_{ref}"]["lo"], row[f"symi_over_{ref}"]["hi"] = \
+                analysis.mean_interval(gap.tolist())[1:3]
         table[d] = row
         print(f"--drift {d}: " + "  ".join(
-            f"{p} {row[p]['mean']:.3f} +- {row[p]['std']:.3f}" for p in POLS)
+            f"{p} {row[p]['mean']:.3f} +- {row[p]['std']:.3f} ({row[p]['lo']:.3f}-{row[p]['hi']:.3f})"
+            for p in POLS)
             + f"  symi/ultraep-1 {100 * row['symi_over_ultraep']['mean']:+.2f} % "
             f"+- {100 * row['symi_over_ultraep']['std']:.2f}  symi/lrmoe-1 "
             f"{100 * row['symi_over_lrmoe']['mean']:+.2f} % +- "

@@ -2,7 +2,7 @@
 (issue 30; docs/simulation.md, "Fig. 6 with the whole model's activations"): per batch
 multiplier and policy the effective throughput relative to LRMoE's at the same multiplier
 (LRMoE's time over the policy's, both at m x the base batch with the micro-batches each
-needs) as mean +- sd over the seeds, the micro-batch counts (min-max over seeds), and
+needs) as mean +- sd over the seeds with the 95 % t interval (lo-hi), the micro-batch counts (min-max over seeds), and
 the first multiplier at which a policy no longer fits in one pass. Simulated numbers.
 
     python experiments/sim_fig6_seeds.py --activations keep recompute --seeds 0 1 2 3 4 \\
@@ -20,6 +20,8 @@ import json
 from pathlib import Path
 
 import numpy as np
+
+import analysis
 
 from lrmoe import cli
 from lrmoe.sim.report import run_sim
@@ -55,6 +57,11 @@ def summarize(runs: list) -> dict:
         out["policies"][p] = dict(rel_mean=rel.mean(0).tolist(), rel_sd=rel.std(0, ddof=1 if len(rel) > 1 else 0).tolist(),
                                   micro_min=micro.min(0).tolist(), micro_max=micro.max(0).tolist(),
                                   first_multi_pass=first)
+        # The 95 % Student t interval of the mean per multiplier (analysis.mean_interval;
+        # NaN with one seed), beside the sd: the sd alone says nothing of the mean's error.
+        iv = [analysis.mean_interval(rel[:, j]) for j in range(rel.shape[1])]
+        out["policies"][p]["rel_lo"] = [x[1] for x in iv]
+        out["policies"][p]["rel_hi"] = [x[2] for x in iv]
     out["activation_GiB_lrmoe"] = [r["activation_GiB"] for r in runs[0]["policies"]["lrmoe"]]
     out["balanced_uncompressed_stops_fitting_at"] = [
         r["balanced_uncompressed_stops_fitting_at"] for r in runs]
@@ -73,7 +80,8 @@ def table(s: dict, show=None) -> str:
             lo, hi = v["micro_min"][j], v["micro_max"][j]
             mb = f"[{lo}]" if lo == hi else f"[{lo}-{hi}]"
             cells.append("1 " + mb if p == "lrmoe" else
-                         f"{v['rel_mean'][j]:.3f} +- {v['rel_sd'][j]:.3f} {mb}")
+                         f"{v['rel_mean'][j]:.3f} +- {v['rel_sd'][j]:.3f} "
+                         f"({v['rel_lo'][j]:.3f}-{v['rel_hi'][j]:.3f}) {mb}")
         lines.append(f"| {m:g} | " + " | ".join(cells) + " |")
     lines.append("| first m not in one pass (per seed) | " + " | ".join(
         ", ".join("-" if x is None else f"{x:g}" for x in s["policies"][p]["first_multi_pass"])

@@ -509,3 +509,25 @@ def test_sim_drift_pairs_seeds_and_charges_the_lag_only_under_drift(tmp_path):
             assert row[f"symi_over_{ref}"]["mean"] == pytest.approx(sum(gaps) / 2)
     off, drift = table["off"]["symi_over_symi_nolag"], table["0.5,1.0"]["symi_over_symi_nolag"]
     assert abs(off["mean"]) < 0.02 and drift["mean"] > off["mean"] + 0.05, (off, drift)
+
+
+def test_sim_figs_seeds_mean_and_t_interval_by_hand(tmp_path):
+    """experiments/sim_figs_seeds.py on 2 seeds x 1 step: every policy's per-seed values
+    are the runs' own sim.json numbers, the mean is theirs, and the interval is the
+    Student t one computed by hand (t_{0.975,1} = tan(0.475 pi) for 2 values)."""
+    import sim_figs_seeds
+
+    res = sim_figs_seeds.main(["--seeds", "0", "1", "--steps", "1", "--out", str(tmp_path)])
+    t1 = math.tan(0.475 * math.pi)
+    for p in sim_figs_seeds.POLS:
+        for k, (_, scale) in sim_figs_seeds.FIELDS.items():
+            runs = [json.loads((tmp_path / f"s{s}" / "sim.json").read_text())["policies"][p][k]
+                    * scale for s in (0, 1)]
+            v = res["policies"][p][k]
+            assert v["values"] == pytest.approx(runs)
+            m = (runs[0] + runs[1]) / 2
+            half = t1 * abs(runs[0] - runs[1]) / math.sqrt(2) / math.sqrt(2)
+            assert v["mean"] == pytest.approx(m)
+            assert v["lo"] == pytest.approx(m - half) and v["hi"] == pytest.approx(m + half)
+    saved = json.loads((tmp_path / "sim_figs_seeds.json").read_text())
+    assert saved["seeds"] == [0, 1]
