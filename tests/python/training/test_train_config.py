@@ -61,7 +61,7 @@ def test_resume_mutable_fields_are_the_same_set():
            "keep_checkpoints", "out_dir", "device", "torch_threads", "progress", "cache_dir",
            "record_trace", "trace_every"}
     assert {k.split(".")[1] for k in T.RESUME_MUTABLE_FIELDS} == old | {
-        "tensorboard", "time_moe", "export", "attention", "checkpoints"}
+        "tensorboard", "time_moe", "export", "attention", "checkpoints", "compile"}
     assert all(T.FLAT_KEYS[k] in T.RESUME_MUTABLE_FIELDS for k in old)
 
 
