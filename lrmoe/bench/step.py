@@ -246,8 +246,9 @@ def bench_step(preset: str, rates: Sequence[float], attentions: Sequence[str], s
     """Every cell of ``methods`` at one preset, one after another, with ratios.
 
     Cells: ``lrmoe``: every (compile, attention, c) of :func:`run_cell`, named
-    ``{attention}-c{c}`` (``{attention}+compile-c{c}`` with ``run.compile``); ``titan``: torchtitan's Qwen3 MoE model with its own MoE, one
-    cell ``titan-{backend}``; ``titan-lrmoe``: that model with LRMoE's experts at each c,
+    ``{attention}-c{c}`` (``{attention}+compile-c{c}`` with ``run.compile``);
+    ``titan``: torchtitan's Qwen3 MoE model with its own MoE, one cell
+    ``titan-{backend}``; ``titan-lrmoe``: that model with LRMoE's experts at each c,
     ``titan-lrmoe-{backend}-c{c}`` (:mod:`lrmoe.bench.titan_step`: the same batches,
     loss, optimizer, clipping and timing as lrmoe train). Ratios of tokens/s in the same
     run: ``speedup_vs_c0`` (lrmoe cells: to the c = 0 cell of their attention and
@@ -279,6 +280,8 @@ def bench_step(preset: str, rates: Sequence[float], attentions: Sequence[str], s
 
     if steps <= warmup:
         raise ValueError(f"--steps ({steps}) must exceed --warmup ({warmup})")
+    if not compiles:
+        raise ValueError("--compile needs at least one of off, on")
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise ValueError(f"--methods must be some of {', '.join(METHODS)}; got "
@@ -305,8 +308,6 @@ def bench_step(preset: str, rates: Sequence[float], attentions: Sequence[str], s
         cells.append(cell)
         (out_dir / "step.json").write_text(json.dumps(cells, indent=2) + "\n")
 
-    if not compiles:
-        raise ValueError("--compile needs at least one of off, on")
     lrmoe_cells = [(k, a, c) for k in compiles for a in attentions for c in rates]
     for compiled, attention, c in (lrmoe_cells if "lrmoe" in methods else []):
         name = f"{attention}{'+compile' if compiled else ''}-c{c:g}"

@@ -11,6 +11,18 @@ from test_train import micro  # noqa: E402
 from lrmoe.bench.step import bench_step, flops_per_token  # noqa: E402
 
 
+def micro_sets(tmp_path):
+    """``--set`` items for a micro model on the CPU (test_train.micro's shapes)."""
+    data = micro(tmp_path).data.source
+    return [f"data.source={data}", "data.vocab_size=512", "data.seq_len=128",
+            "data.batch_size=4", f"data.cache_dir={tmp_path / 'cache'}", "run.device=cpu",
+            "run.torch_threads=1", "model.hidden_size=32", "model.num_hidden_layers=2",
+            "model.num_attention_heads=2", "model.num_key_value_heads=1", "model.head_dim=16",
+            "model.intermediate_size=64", "model.moe_intermediate_size=16",
+            "model.num_experts=4", "model.num_experts_per_tok=2",
+            "model.max_position_embeddings=128"]
+
+
 def test_flops_per_token_matches_a_hand_count(tmp_path):
     m = micro(tmp_path).model  # H 32, 2 layers, 2 q / 1 kv heads of 16, E 4, K 2, I 16
     # per layer: q, o 32x32 each, k, v 32x16 each = 3,072; router 32x4 + 2 experts x 3 x
@@ -20,15 +32,7 @@ def test_flops_per_token_matches_a_hand_count(tmp_path):
 
 
 def test_two_cells_on_the_cpu(tmp_path):
-    base = micro(tmp_path)
-    data = base.data.source
-    sets = [f"data.source={data}", "data.vocab_size=512", "data.seq_len=128",
-            "data.batch_size=4", f"data.cache_dir={tmp_path / 'cache'}", "run.device=cpu",
-            "run.torch_threads=1", "model.hidden_size=32", "model.num_hidden_layers=2",
-            "model.num_attention_heads=2", "model.num_key_value_heads=1", "model.head_dim=16",
-            "model.intermediate_size=64", "model.moe_intermediate_size=16",
-            "model.num_experts=4", "model.num_experts_per_tok=2",
-            "model.max_position_embeddings=128"]
+    sets = micro_sets(tmp_path)
     out = tmp_path / "bench"
     result = bench_step("tiny", [0.0, 0.5], ["sdpa"], steps=3, warmup=1, sets=sets,
                         out_dir=out)
@@ -117,14 +121,7 @@ def test_profile_ops_group_by_chain_shapes_and_source_by_hand():
 def test_compile_cells_have_their_own_baseline(tmp_path):
     """``compiles=(False, True)``: every c runs eager and compiled, each compiled cell's
     ratio is to the compiled c = 0 (here itself: 1.0), ``vs_lrmoe_c0`` to the eager one."""
-    base = micro(tmp_path)
-    sets = [f"data.source={base.data.source}", "data.vocab_size=512", "data.seq_len=128",
-            "data.batch_size=4", f"data.cache_dir={tmp_path / 'cache'}", "run.device=cpu",
-            "run.torch_threads=1", "model.hidden_size=32", "model.num_hidden_layers=2",
-            "model.num_attention_heads=2", "model.num_key_value_heads=1", "model.head_dim=16",
-            "model.intermediate_size=64", "model.moe_intermediate_size=16",
-            "model.num_experts=4", "model.num_experts_per_tok=2",
-            "model.max_position_embeddings=128"]
+    sets = micro_sets(tmp_path)
     result = bench_step("tiny", [0.0], ["sdpa"], steps=3, warmup=1, sets=sets,
                         out_dir=tmp_path / "bench", compiles=(False, True))
     eager, compiled = result["cells"]

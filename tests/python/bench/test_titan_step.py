@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 
+from test_step import micro_sets  # noqa: E402
 from test_train import micro  # noqa: E402
 
 from lrmoe.integrations.torchtitan import require_torchtitan
@@ -27,17 +28,6 @@ pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 # relative: one bf16 ulp (2**-8). Both MoEs compute their experts in bf16; the mean loss
 # over a batch averages their rounding away (measured: ~1e-7), so this is not slack
 LOSS_TOL = 2.0 ** -8
-
-
-def micro_sets(tmp_path):
-    data = micro(tmp_path).data.source
-    return [f"data.source={data}", "data.vocab_size=512", "data.seq_len=128",
-            "data.batch_size=4", f"data.cache_dir={tmp_path / 'cache'}", "run.device=cpu",
-            "run.torch_threads=1", "model.hidden_size=32", "model.num_hidden_layers=2",
-            "model.num_attention_heads=2", "model.num_key_value_heads=1", "model.head_dim=16",
-            "model.intermediate_size=64", "model.moe_intermediate_size=16",
-            "model.num_experts=4", "model.num_experts_per_tok=2",
-            "model.max_position_embeddings=128"]
 
 
 def rows(path):
