@@ -181,27 +181,31 @@ def profile_ops(events: Iterable[Any], steps: int, top: int = TOP_OPS) -> List[L
 
 def run_cell(cfg: Any, warmup: int, profile_steps: int = 0) -> Dict[str, Any]:
     """Train ``cfg`` (a :class:`lrmoe.training.config.TrainConfig` with checkpoints off)
-    and summarise its steps after ``warmup``; with ``profile_steps`` > 0 also capture
-    that many steps after the warm-up with ``torch.profiler`` (device time per
-    :data:`KINDS` category, ms per step)."""
+    and summarise its steps ``warmup + 1 .. cfg.run.steps``; with ``profile_steps`` > 0
+    train that many steps more and capture them with ``torch.profiler`` (device time
+    per :data:`KINDS` category, ms per step). The profiled steps come after the measured
+    ones and are left out of them: the profiler slows the host (2026-12-07, H100: the
+    profiled c = 0 cell's median step was 217 ms against 192 ms of its c = 0.3 cell,
+    whose MoE is only 10 ms shorter), which would inflate every ratio to c = 0."""
     from lrmoe.training import train as T
 
     prof = None
+    last = cfg.run.steps
     if profile_steps:
         from torch.profiler import ProfilerActivity, profile
 
         prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                        record_shapes=True, with_stack=True)
+        cfg = cfg.replace(steps=last + profile_steps)
 
     def step_callback(trainer: Any, step: int) -> None:
-        if prof is not None and step == warmup:
-            prof.start()
-        if prof is not None and step == warmup + profile_steps:
-            torch.cuda.synchronize()
-            prof.stop()
+        if prof is not None and step in (last, last + profile_steps):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            prof.start() if step == last else prof.stop()
 
     result = T.train(cfg, overwrite=True, step_callback=step_callback if prof else None)
-    out = {**_summary(result.out_dir, warmup),
+    out = {**_summary(result.out_dir, warmup, last),
            "peak_gib": result.summary.get("peak_cuda_memory_gib"),
            # the LM head's rows: the trained tokenizer's size, which can be below
            # data.vocab_size on a small corpus
@@ -222,9 +226,10 @@ def run_cell(cfg: Any, warmup: int, profile_steps: int = 0) -> Dict[str, Any]:
 METHODS = ("lrmoe", "titan", "titan-lrmoe")
 
 
-def _summary(run: Path, warmup: int) -> Dict[str, Any]:
-    """Medians over the records of ``run/metrics.jsonl`` after ``warmup`` (any cell)."""
-    recs = _records(run, warmup)
+def _summary(run: Path, warmup: int, last: Optional[int] = None) -> Dict[str, Any]:
+    """Medians over the records of ``run/metrics.jsonl`` after ``warmup`` up to step
+    ``last`` (None: all; any cell)."""
+    recs = [r for r in _records(run, warmup) if last is None or r["step"] <= last]
     if not recs:
         raise ValueError(f"--steps must exceed --warmup ({warmup}): no step left to measure")
     out = {"tokens_per_step": recs[0]["tokens"],

@@ -203,7 +203,7 @@ def train_titan(cfg: Any, data: Any, attention: str, rate: Optional[float],
     from lrmoe.training.batches import BatchStream
     from lrmoe.training.loss import autocast, causal_lm_nll
     from lrmoe.training.moe_timer import MoELayerTimer
-    from lrmoe.training.optim import build_optimizer
+    from lrmoe.training.optim import build_optimizer, clip_in_step
 
     device = setup.resolve_device(cfg.run.device)
     threads = torch.get_num_threads()
@@ -237,7 +237,7 @@ def train_titan(cfg: Any, data: Any, attention: str, rate: Optional[float],
                     logits = model(ids, positions, masks)
                 nll, _ = causal_lm_nll(logits, batch.labels_BS)
                 (nll / denom).backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            grad_norm = clip_in_step(optimizer, model.parameters(), max_norm)  # as lrmoe train
             update_expert_bias(moes)  # torchtitan's optimizer pre-step hook
             lr = scheduler.get_last_lr()[0]
             optimizer.step()

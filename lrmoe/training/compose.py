@@ -55,12 +55,13 @@ def _preset_gpu_small() -> TrainConfig:
 def _preset_qwen3_slice() -> TrainConfig:
     # the Qwen3-30B-A3B layer (H 2048, 32 query / 4 kv heads of 128, E 128, K 8, I 768)
     # in 4 layers, 32k tokens a step: the shape where issue 28 measures the whole step;
-    # flex attention is 1.16x sdpa's step there (docs/results.md)
+    # flex attention is 1.16x sdpa's step there, and run.compile 1.46x the eager step
+    # (H100, docs/results.md)
     g = _preset_gpu_small()
     return g.replace(hidden_size=2048, num_hidden_layers=4, num_attention_heads=32,
                      num_key_value_heads=4, head_dim=128, intermediate_size=6144,
                      moe_intermediate_size=768, seq_len=2048, batch_size=16,
-                     attention="flex_attention", out_dir="runs/qwen3-slice")
+                     attention="flex_attention", compile=True, out_dir="runs/qwen3-slice")
 
 
 #: Named starting points; ``lrmoe train --preset NAME``. ``configs/<name>.yaml`` spell them

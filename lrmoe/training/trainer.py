@@ -54,7 +54,7 @@ from lrmoe.training.metrics import (CURVE_FILE, METRICS_FILE, SUMMARY_FILE, TENS
                                     MetricsLog, Progress, diagnostics_means, mean,
                                     print_summary, read_metrics, write_loss_curve)
 from lrmoe.training.moe_timer import make_timer
-from lrmoe.training.optim import build_optimizer
+from lrmoe.training.optim import build_optimizer, clip_in_step
 from lrmoe.training.run_lock import RunLock
 from lrmoe.training.stop import StopSignals, stop_with_launcher
 
@@ -381,7 +381,7 @@ class Trainer:
                 self._stop_all = self.stop_requested = True
             denom = max(num_loss, 1)
         else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            grad_norm = clip_in_step(self.optimizer, self.model.parameters(), max_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()  # its post-hook pushes replica copies (PlacementHooks.attach)
         self.scheduler.step()

@@ -8,8 +8,10 @@
 # Runs stay in WORK (/tmp/lrmoe-ttl): the same command in the next call, while the machine
 # is warm, skips the finished cells. Stops starting seeds at BUDGET seconds (540).
 # Writes log.txt, ttl_report.md, ttl_runs.tar.gz (metrics, summaries, configs) under $OUT.
+# run.compile stays off (TTL_COMPILE=true turns it on): the committed cells of
+# 2026-12-04..07 ran eager, and a cell's wall time is compared with theirs.
 # Usage: LRMOE_GCIDE_DIR=data/gcide bash tools/device/device_ttl_slice.sh
-#   (STEPS=200 SEEDS="0 1 2" TARGETS="5.0 4.6 4.3" RATES="0.3 0.5" BUDGET=540)
+#   (STEPS=200 SEEDS="0 1 2" TARGETS="5.0 4.6 4.3" RATES="0.3 0.5" BUDGET=540 TTL_COMPILE=false)
 set -uo pipefail
 source "$(dirname "$0")/device_common.sh"
 device_setup "${OUT:-ttl-out}" "${WORK:-/tmp/lrmoe-ttl}"
@@ -21,7 +23,7 @@ budget="${BUDGET:-540}"
 args=(--preset qwen3-slice --device cuda --steps "$steps" --eval-every 25 --rates ${RATES:-0.3 0.5}
       --selection importance --metric lrm --targets ${TARGETS:-5.0 4.6 4.3} --jobs 1
       --set "data.cache_dir=$work/cache" --set run.checkpoints=false --set run.export=false
-      --out "$work/ttl")
+      --set "run.compile=${TTL_COMPILE:-false}" --out "$work/ttl")
 for s in ${SEEDS:-0 1 2}; do
   left=$(( budget - ($(date +%s) - t0) ))
   (( left > 60 )) || { log "budget spent: seed $s not started"; break; }

@@ -52,6 +52,21 @@ def test_two_cells_on_the_cpu(tmp_path):
         bench_step("tiny", [0.0], ["sdpa"], steps=2, warmup=2, sets=sets, out_dir=out)
 
 
+def test_profiled_steps_come_after_the_measured_ones(tmp_path):
+    # the profiled cell trains 2 steps more; its median is over steps 2..3 only (the
+    # profiler slows the host: counting its steps would inflate every ratio to c = 0)
+    out = tmp_path / "bench"
+    result = bench_step("tiny", [0.0], ["sdpa"], steps=3, warmup=1,
+                        sets=micro_sets(tmp_path), out_dir=out, profile=True)
+    cell = result["cells"][0]
+    rows = [json.loads(x) for x in (out / "sdpa-c0" / "metrics.jsonl").read_text()
+            .splitlines() if json.loads(x)["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    measured = sorted(r["time_s"] * 1e3 for r in rows if 1 < r["step"] <= 3)
+    assert cell["steps"] == 2 and cell["step_ms"] == pytest.approx(sum(measured) / 2)
+    assert "profile_ms" in cell  # the capture of steps 4..5 ran (no CUDA kernels here)
+
+
 def test_profile_tables_skip_annotations_and_sum_by_hand():
     """Kernels summed per category and family per step; GPU-side record_function ranges
     (which span kernels already counted) and host events are left out."""

@@ -40,8 +40,11 @@ def test_compiled_dense_modules_train_like_eager(tmp_path):
                                                            rel=1e-4)
     a, b = eager.model.state_dict(), compiled.model.state_dict()
     assert list(a) == list(b)
+    # atol 2e-4: Adam's normalised update turns a fusion-rounding difference in a near-zero
+    # gradient entry into up to ~lr per step (the H100 machine's CPU: 7e-5 on 1 of 15,584
+    # weights); a wrong compiled graph moves the losses and every weight far more
     for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=2e-4)
 
 
 def test_compile_dense_refuses_a_model_without_decoder_layers():
