@@ -14,7 +14,7 @@ Every run is ``lrmoe sim --costs configs/costs/h200.json --gpus 8 --steps S --la
 [--sim-args] --out OUT/D-K`` (no batch pressure: the per-layer figures only;
 lrmoe.sim.report.FIGURE_FLAGS: LRMoE's joint plan, UltraEP refined, the all-to-alls
 deduplicated over the model's top_k); the table is printed and written to
-OUT/sim_drift.json.
+OUT/sim_drift.json (strict JSON: an interval of one seed is null).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from lrmoe import cli
 from lrmoe.sim import report as R
 from lrmoe.sim.costs import Costs
 from lrmoe.sim.links import Links
-from lrmoe.sim.report import FIGURE_FLAGS, run_sim
+from lrmoe.sim.report import FIGURE_FLAGS, run_sim, strict_json
 from lrmoe.workload.loads import cluster_loads
 from lrmoe.workload.shapes import MODELS
 
@@ -113,7 +113,7 @@ def main(argv=None) -> dict:
             f"{100 * row['symi_over_symi_nolag']['std']:.2f}  feasible "
             + " ".join(f"{p} {v:.2f}" for p, v in row["feasible"].items()))
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / "sim_drift.json").write_text(json.dumps(dict(args=vars(a), table=table),
+    (Path(a.out) / "sim_drift.json").write_text(strict_json(dict(args=vars(a), table=table),
                                                            indent=1) + "\n")
     return table
 

@@ -14,7 +14,7 @@ Every run is ``lrmoe sim --costs configs/costs/h200.json --steps 1 --activations
 refined, the all-to-alls deduplicated over the model's top_k; --steps only sizes Figs.
 7/8; Fig. 6 draws its own 2 steps x 4 layers from the seed); an existing
 OUT/.../sim.json is read, not rerun. The tables are printed as Markdown and written to
-OUT/sim_fig6_seeds_rR.json.
+OUT/sim_fig6_seeds_rR.json (strict JSON: an interval of one seed is null).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import numpy as np
 import analysis
 
 from lrmoe import cli
-from lrmoe.sim.report import FIGURE_FLAGS, run_sim
+from lrmoe.sim.report import FIGURE_FLAGS, run_sim, strict_json
 
 POLS = ("fixed", "ultraep", "symi", "lrmoe")
 
@@ -115,7 +115,7 @@ def main(argv=None) -> dict:
         print(table(res[mode]))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"sim_fig6_seeds_r{args.resident_gib:g}.json").write_text(
-        json.dumps(res, indent=1) + "\n")
+        strict_json(res, indent=1) + "\n")
     return res
 
 

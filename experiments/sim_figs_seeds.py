@@ -10,7 +10,7 @@ Every run is ``lrmoe sim --costs C --steps S --seed K --joint --ultraep-refine
 LRMoE's joint plan, UltraEP refined, the all-to-alls deduplicated over the model's top_k,
 the planner aware of the link file's nodes; the default simulator otherwise); an existing
 OUT/sK/sim.json is read, not rerun. Markdown is printed and the summary written to
-OUT/sim_figs_seeds.json.
+OUT/sim_figs_seeds.json (strict JSON: an interval of one seed is null).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import analysis
 from lrmoe import cli
-from lrmoe.sim.report import FIGURE_FLAGS, run_sim
+from lrmoe.sim.report import FIGURE_FLAGS, run_sim, strict_json
 
 POLS = ("fixed", "ultraep", "symi", "lrmoe")
 # sim.json key -> (column, scale): memory in bytes -> GiB, times already in ms.
@@ -83,7 +83,7 @@ def main(argv=None) -> dict:
     res = summarize([one(args, k) for k in args.seeds], args.seeds)
     print(table(res))
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "sim_figs_seeds.json").write_text(json.dumps(res, indent=1) + "\n")
+    (Path(args.out) / "sim_figs_seeds.json").write_text(strict_json(res, indent=1) + "\n")
     return res
 
 

@@ -451,7 +451,7 @@ def run_sim(args) -> dict:
     out["seconds"] = time.time() - t0
     d = Path(args.out)
     d.mkdir(parents=True, exist_ok=True)
-    (d / "sim.json").write_text(json.dumps(out, indent=1, default=_nan) + "\n")
+    (d / "sim.json").write_text(strict_json(out, indent=1) + "\n")
     plot_all(out, d)
     return out
 
@@ -459,6 +459,35 @@ def run_sim(args) -> dict:
 def _nan(v):
     return None if isinstance(v, float) and math.isnan(v) else v
 
+
+def _finite(v):
+    """``v`` with every non-finite float (NaN, +-inf) as None and numpy scalars and
+    arrays as Python numbers and lists, recursively through dicts, lists and tuples."""
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    if isinstance(v, np.ndarray):
+        return _finite(v.tolist())
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    if isinstance(v, np.integer):
+        return int(v)
+    if isinstance(v, (float, np.floating)):
+        return float(v) if math.isfinite(v) else None
+    return v
+
+
+def strict_json(obj, **kwargs) -> str:
+    """``obj`` as JSON text that every parser reads: NaN and +-inf (an undefined mean, an
+    interval of one seed, the time of a plan that does not fit), which ``json.dumps``
+    would write as the non-JSON tokens NaN and Infinity (RFC 8259 section 6), become
+    null. ``kwargs`` go to :func:`json.dumps` (e.g. ``indent``).
+
+    Raises:
+        TypeError: an object JSON cannot hold (as :func:`json.dumps`).
+    """
+    return json.dumps(_finite(obj), allow_nan=False, **kwargs)
 
 
 def pressure(args, shape, costs, links, layers) -> dict:
