@@ -10,13 +10,17 @@ what the one-step lag costs, apart from what drift does to the skew.
         --steps 32 --layers 8 --out /tmp/sim-drift
 
 Every run is ``lrmoe sim --costs configs/costs/h200.json --gpus 8 --steps S --layers L
---pressure --seed K --drift D --out OUT/D-K`` (no batch pressure: the per-layer figures
-only); the table is printed and written to OUT/sim_drift.json.
+--pressure --seed K --drift D --joint --ultraep-refine --spare-capacity-split ultraep
+[--sim-args] --out OUT/D-K`` (no batch pressure: the per-layer figures only;
+lrmoe.sim.report.FIGURE_FLAGS: LRMoE's joint plan, UltraEP refined, the all-to-alls
+deduplicated over the model's top_k); the table is printed and written to
+OUT/sim_drift.json (strict JSON: an interval of one seed is null).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +31,7 @@ from lrmoe import cli
 from lrmoe.sim import report as R
 from lrmoe.sim.costs import Costs
 from lrmoe.sim.links import Links
-from lrmoe.sim.report import run_sim
+from lrmoe.sim.report import FIGURE_FLAGS, run_sim, strict_json
 from lrmoe.workload.loads import cluster_loads
 from lrmoe.workload.shapes import MODELS
 
@@ -60,7 +64,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--skew", type=float, default=2.0)
     ap.add_argument("--costs", default="configs/costs/h200.json")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default="experiments/results/sim_drift",
+                    help="folder of the per-seed runs and the summary (default %(default)s)")
+    ap.add_argument("--sim-args", default="", metavar="'FLAGS'",
+                    help="more `lrmoe sim` flags, after the figures' own "
+                         f"({' '.join(FIGURE_FLAGS)}; all-to-alls deduplicated over the "
+                         "model's top_k), e.g. '--no-joint --dedup-top-k 1'; use another --out")
     a = ap.parse_args(argv)
     table = {}
     for d in a.drift:
@@ -69,7 +78,8 @@ def main(argv=None) -> dict:
             args = cli.build_parser().parse_args(
                 ["sim", "--costs", a.costs, "--gpus", "8", "--steps", str(a.steps), "--layers",
                  str(a.layers), "--skew", str(a.skew), "--pressure", "--seed", str(k),
-                 "--drift", d, "--threads", "1", "--out", f"{a.out}/{d.replace(',', '_')}-{k}"])
+                 "--drift", d, "--threads", "1", *FIGURE_FLAGS, *shlex.split(a.sim_args),
+                 "--out", f"{a.out}/{d.replace(',', '_')}-{k}"])
             out = run_sim(args)
             per["symi_nolag"].append(symi_nolag(args))
             for p in POLS[:-1]:
@@ -103,7 +113,7 @@ def main(argv=None) -> dict:
             f"{100 * row['symi_over_symi_nolag']['std']:.2f}  feasible "
             + " ".join(f"{p} {v:.2f}" for p, v in row["feasible"].items()))
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / "sim_drift.json").write_text(json.dumps(dict(args=vars(a), table=table),
+    (Path(a.out) / "sim_drift.json").write_text(strict_json(dict(args=vars(a), table=table),
                                                            indent=1) + "\n")
     return table
 

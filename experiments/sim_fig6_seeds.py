@@ -9,14 +9,18 @@ the first multiplier at which a policy no longer fits in one pass. Simulated num
         --out /tmp/fig6
 
 Every run is ``lrmoe sim --costs configs/costs/h200.json --steps 1 --activations A
---resident-gib R --seed K --out OUT/A-rR-sK`` (--steps only sizes Figs. 7/8; Fig. 6 draws
-its own 2 steps x 4 layers from the seed); an existing OUT/.../sim.json is read, not rerun.
-The tables are printed as Markdown and written to OUT/sim_fig6_seeds.json.
+--resident-gib R --seed K --joint --ultraep-refine --spare-capacity-split ultraep
+[--sim-args] --out OUT/A-rR-sK`` (lrmoe.sim.report.FIGURE_FLAGS: LRMoE's joint plan, UltraEP
+refined, the all-to-alls deduplicated over the model's top_k; --steps only sizes Figs.
+7/8; Fig. 6 draws its own 2 steps x 4 layers from the seed); an existing
+OUT/.../sim.json is read, not rerun. The tables are printed as Markdown and written to
+OUT/sim_fig6_seeds_rR.json (strict JSON: an interval of one seed is null).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +28,7 @@ import numpy as np
 import analysis
 
 from lrmoe import cli
-from lrmoe.sim.report import run_sim
+from lrmoe.sim.report import FIGURE_FLAGS, run_sim, strict_json
 
 POLS = ("fixed", "ultraep", "symi", "lrmoe")
 
@@ -36,7 +40,8 @@ def one(args, mode: str, seed: int) -> dict:
     if not f.is_file():
         run_sim(cli.build_parser().parse_args(
             ["sim", "--costs", args.costs, "--steps", "1", "--activations", mode,
-             "--resident-gib", str(args.resident_gib), "--seed", str(seed), "--out", str(out)]))
+             "--resident-gib", str(args.resident_gib), "--seed", str(seed), *FIGURE_FLAGS,
+             *shlex.split(args.sim_args), "--out", str(out)]))
     return json.loads(f.read_text())["pressure"]
 
 
@@ -95,7 +100,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     ap.add_argument("--resident-gib", type=float, default=64.0)
     ap.add_argument("--costs", default="configs/costs/h200.json")
-    ap.add_argument("--out", default="/tmp/fig6")
+    ap.add_argument("--out", default="experiments/results/sim_fig6_seeds",
+                    help="folder of the per-seed runs and the summary (default %(default)s)")
+    ap.add_argument("--sim-args", default="", metavar="'FLAGS'",
+                    help="more `lrmoe sim` flags, after the figures' own "
+                         f"({' '.join(FIGURE_FLAGS)}; all-to-alls deduplicated over the "
+                         "model's top_k), e.g. '--no-joint --dedup-top-k 1'; use another --out")
     args = ap.parse_args(argv)
     res = {}
     for mode in args.activations:
@@ -105,7 +115,7 @@ def main(argv=None) -> dict:
         print(table(res[mode]))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"sim_fig6_seeds_r{args.resident_gib:g}.json").write_text(
-        json.dumps(res, indent=1) + "\n")
+        strict_json(res, indent=1) + "\n")
     return res
 
 

@@ -3,21 +3,25 @@
 simulated"): per policy the mean over seeds with the 95 % Student t interval
 (analysis.mean_interval) and the per-seed values. Simulated numbers.
 
-    python experiments/sim_figs_seeds.py --seeds 0 1 2 3 4 --out /tmp/figs
+    python experiments/sim_figs_seeds.py --seeds 0 1 2 3 4
 
-Every run is ``lrmoe sim --costs C --steps S --seed K --out OUT/sK`` (the default
-simulator otherwise); an existing OUT/sK/sim.json is read, not rerun. Markdown is printed
-and the summary written to OUT/sim_figs_seeds.json.
+Every run is ``lrmoe sim --costs C --steps S --seed K --joint --ultraep-refine
+--spare-capacity-split ultraep [--sim-args] --out OUT/sK`` (lrmoe.sim.report.FIGURE_FLAGS:
+LRMoE's joint plan, UltraEP refined, the all-to-alls deduplicated over the model's top_k,
+the planner aware of the link file's nodes; the default simulator otherwise); an existing
+OUT/sK/sim.json is read, not rerun. Markdown is printed and the summary written to
+OUT/sim_figs_seeds.json (strict JSON: an interval of one seed is null).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 
 import analysis
 from lrmoe import cli
-from lrmoe.sim.report import run_sim
+from lrmoe.sim.report import FIGURE_FLAGS, run_sim, strict_json
 
 POLS = ("fixed", "ultraep", "symi", "lrmoe")
 # sim.json key -> (column, scale): memory in bytes -> GiB, times already in ms.
@@ -34,7 +38,7 @@ def one(args, seed: int) -> dict:
     if not f.is_file():
         run_sim(cli.build_parser().parse_args(
             ["sim", "--costs", args.costs, "--steps", str(args.steps), "--seed", str(seed),
-             "--out", str(out)]))
+             *FIGURE_FLAGS, *shlex.split(args.sim_args), "--out", str(out)]))
     return json.loads(f.read_text())["policies"]
 
 
@@ -67,12 +71,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--costs", default="configs/costs/h200.json")
-    ap.add_argument("--out", default="/tmp/figs")
+    ap.add_argument("--out", default="experiments/results/sim_figs_seeds",
+                    help="folder of the per-seed runs and the summary (default %(default)s)")
+    ap.add_argument("--sim-args", default="", metavar="'FLAGS'",
+                    help="more `lrmoe sim` flags, after the figures' own "
+                         f"({' '.join(FIGURE_FLAGS)}; all-to-alls deduplicated over the "
+                         "model's top_k), e.g. '--no-joint --no-ultraep-refine "
+                         "--spare-capacity-split none --dedup-top-k 1' for the figures of "
+                         "before the planner options were wired in; use another --out")
     args = ap.parse_args(argv)
     res = summarize([one(args, k) for k in args.seeds], args.seeds)
     print(table(res))
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "sim_figs_seeds.json").write_text(json.dumps(res, indent=1) + "\n")
+    (Path(args.out) / "sim_figs_seeds.json").write_text(strict_json(res, indent=1) + "\n")
     return res
 
 

@@ -285,36 +285,16 @@ def plan(load_WE, policy: str, memory: MemoryModel, recalibration_rate: float = 
         raise ValueError(f"quota_rule must be one of {', '.join(QUOTA_RULES)}; got {quota_rule!r}")
     if balance_slack is not None and not balance_slack >= 0:
         raise ValueError(f"balance_slack must be >= 0 (or None: off), got {balance_slack}")
-    if not isinstance(joint, (bool, np.bool_)):
-        raise ValueError(f"joint must be True or False (--joint), got {joint!r}")
-    if isinstance(replica_cost_rows, bool) or not isinstance(replica_cost_rows, (int, np.integer)) \
-            or replica_cost_rows < 0:
-        raise ValueError(f"replica_cost_rows must be an int >= 0 (one replica's traffic in "
-                         f"row-times; --replica-cost-rows), got {replica_cost_rows!r}")
-    if joint and policy != "lrmoe":
-        raise ValueError(f"joint applies to policy lrmoe only, got policy {policy!r}; drop "
-                         f"joint or use policy lrmoe")
     load = np.asarray(load_WE)
     if load.ndim != 2:
         raise ValueError(f"load_WE must be 2-D (W ranks, E experts), got shape {tuple(load.shape)}")
-    if gpus_per_node is not None and (
-            isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, (int, np.integer))
-            or not 1 <= gpus_per_node <= load.shape[0]):
-        raise ValueError(f"gpus_per_node must be an int in [1, W={load.shape[0]}] (ranks per "
-                         f"node; None: one node; --gpus-per-node), got {gpus_per_node!r}")
     check_slots(replica_slots, symi_slots, load.shape[1])
     inp = plan_input(load.shape[0], load.shape[1], memory, recalibration_rate, quota_rule,
                      replica_slots, symi_slots, max_expert_cut, backward_row_capacity,
                      min_replica_rows, balance_slack)
-    inp.joint = bool(joint)
-    inp.replica_cost_rows = int(replica_cost_rows)
-    inp.gpus_per_node = 0 if gpus_per_node is None else int(gpus_per_node)
-    if not 0.0 <= replan_threshold < 1.0:
-        raise ValueError(f"replan_threshold must be in [0, 1) (the fraction of the kept "
-                         f"plan's max rank time a new plan must save), got {replan_threshold!r}")
-    inp.replan_threshold = float(replan_threshold)
-    inp.ultraep_refine = bool(ultraep_refine)
-    inp.spare_capacity_split = bool(spare_capacity_split)
+    set_options(inp, policy, joint=joint, replica_cost_rows=replica_cost_rows,
+                gpus_per_node=gpus_per_node, ultraep_refine=ultraep_refine,
+                spare_capacity_split=spare_capacity_split, replan_threshold=replan_threshold)
     if previous_plan is not None:
         if not isinstance(previous_plan, Plan) or previous_plan.policy != policy:
             raise ValueError(f"previous_plan must be a Plan of policy {policy!r} (from "
@@ -465,3 +445,63 @@ def plan_input(num_ranks: int, num_experts: int, memory: MemoryModel,
         max_expert_cut=float(max_expert_cut), backward_row_capacity=int(backward_row_capacity),
         min_replica_rows=int(min_replica_rows),
         balance_slack=-1.0 if balance_slack is None else float(balance_slack))
+
+
+def set_options(inp: "_C.planner.PlanInput", policy: str, *, joint: bool = False,
+                replica_cost_rows: int = 0, gpus_per_node: Optional[int] = None,
+                ultraep_refine: bool = False, spare_capacity_split: bool = False,
+                replan_threshold: float = 0.0) -> "_C.planner.PlanInput":
+    """Check the planner's optional features for ``policy`` and set them on ``inp`` (a
+    ``PlanInput`` of :func:`plan_input`, whose ``num_ranks`` W bounds ``gpus_per_node``);
+    shared by :func:`plan` and ``lrmoe.sim.simulate``, so that the simulator passes exactly
+    the options :func:`plan` takes. Arguments as in :func:`plan`.
+
+    Returns:
+        ``inp``, modified in place.
+
+    Raises:
+        ValueError: naming the argument (and its ``lrmoe sim`` flag) and the fix: joint or
+            replica_cost_rows > 0 for a policy other than lrmoe (or replica_cost_rows
+            without joint), ultraep_refine for a policy other than ultraep, a non-bool
+            switch, replica_cost_rows < 0, gpus_per_node outside [1, W], replan_threshold
+            outside [0, 1).
+    """
+    for name, v in (("joint", joint), ("ultraep_refine", ultraep_refine),
+                    ("spare_capacity_split", spare_capacity_split)):
+        if not isinstance(v, (bool, np.bool_)):
+            raise ValueError(f"{name} must be True or False (--{name.replace('_', '-')}), "
+                             f"got {v!r}")
+    if isinstance(replica_cost_rows, bool) or not isinstance(replica_cost_rows, (int, np.integer)) \
+            or replica_cost_rows < 0:
+        raise ValueError(f"replica_cost_rows must be an int >= 0 (one replica's traffic in "
+                         f"row-times; --replica-cost-rows), got {replica_cost_rows!r}")
+    if joint and policy != "lrmoe":
+        raise ValueError(f"joint applies to policy lrmoe only, got policy {policy!r}; drop "
+                         f"joint or use policy lrmoe")
+    # kappa is read by the joint objective only: without it the user's number would be
+    # silently ignored
+    if replica_cost_rows and not joint:
+        raise ValueError(f"replica_cost_rows ({replica_cost_rows}) is a term of the joint "
+                         f"objective and does nothing without it; set joint (--joint, lrmoe "
+                         f"only) or drop --replica-cost-rows")
+    if ultraep_refine and policy != "ultraep":
+        raise ValueError(f"ultraep_refine applies to policy ultraep only, got policy "
+                         f"{policy!r}; drop ultraep_refine or use policy ultraep")
+    W = int(inp.num_ranks)
+    if gpus_per_node is not None and (
+            isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, (int, np.integer))
+            or not 1 <= gpus_per_node <= W):
+        raise ValueError(f"gpus_per_node must be an int in [1, W={W}] (ranks per "
+                         f"node; None: one node; --gpus-per-node), got {gpus_per_node!r}")
+    if isinstance(replan_threshold, bool) or not isinstance(replan_threshold, (int, float)) \
+            or not 0.0 <= replan_threshold < 1.0:
+        raise ValueError(f"replan_threshold must be in [0, 1) (the fraction of the kept "
+                         f"plan's max rank time a new plan must save; --replan-threshold), "
+                         f"got {replan_threshold!r}")
+    inp.joint = bool(joint)
+    inp.replica_cost_rows = int(replica_cost_rows)
+    inp.gpus_per_node = 0 if gpus_per_node is None else int(gpus_per_node)
+    inp.replan_threshold = float(replan_threshold)
+    inp.ultraep_refine = bool(ultraep_refine)
+    inp.spare_capacity_split = bool(spare_capacity_split)
+    return inp

@@ -308,6 +308,9 @@ def run_plan(args: argparse.Namespace) -> int:
                                       args.optimizer == "device")
     load_WE, prev_E, what = _loads(args, shape)
     policies = P.POLICIES if args.policy == "all" else (args.policy,)
+    if args.replica_cost_rows and not args.joint:  # read by the joint objective only
+        raise ValueError("--replica-cost-rows is a term of lrmoe's joint objective and does "
+                         "nothing without it; add --joint or drop --replica-cost-rows")
     rows, plans = [], []
     for name in policies:
         plan = P.plan(load_WE, name, memory, args.recalibration_rate, args.quota_rule,
@@ -315,7 +318,7 @@ def run_plan(args: argparse.Namespace) -> int:
                       args.row_capacity, args.min_replica_rows,
                       None if args.balance < 0 else args.balance,
                       joint=args.joint and name == "lrmoe",
-                      replica_cost_rows=args.replica_cost_rows,
+                      replica_cost_rows=args.replica_cost_rows if name == "lrmoe" else 0,
                       gpus_per_node=args.gpus_per_node or None)
         plans.append(plan)
         rows.append(_summary(plan, load_WE))

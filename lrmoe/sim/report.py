@@ -18,11 +18,13 @@ baselines run at c = 0, lrmoe at ``--rate``.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import time
 from importlib import resources
 from pathlib import Path
+import dataclasses
 from typing import Optional, Tuple
 
 import numpy as np
@@ -46,6 +48,14 @@ PAPER = {"fig7_GiB": {"fixed": 12.88, "ultraep": 8.03, "symi": 12.88, "lrmoe": 5
          "fig8_bwd_ms": {"fixed": 29.64, "lrmoe": 12.69},
          "fig6_at_20x": {"lrmoe": 1.0, "ultraep": 0.584, "symi": 0.449, "fixed": 0.400},
          "fig6_balanced_boundary": 16}
+#: the planner flags the documented figures run with (experiments/sim_figs_seeds.py,
+#: sim_fig6_seeds.py, sim_drift.py pass them explicitly; they are also ``lrmoe sim``'s
+#: defaults): LRMoE's joint plan, UltraEP with its refinement passes and spare-capacity
+#: split, as the paper describes both; the all-to-alls deduplicate over the model's
+#: top_k (``--dedup-top-k`` left at its default) and the planner knows the nodes of
+#: ``--links``. ``--no-joint --no-ultraep-refine --spare-capacity-split none --dedup-top-k
+#: 1`` gives the figures of before 2026-12-07's wiring (docs/journal/experiments.md)
+FIGURE_FLAGS = ("--joint", "--ultraep-refine", "--spare-capacity-split", "ultraep")
 
 
 def add_sim_arguments(p) -> None:
@@ -82,11 +92,46 @@ def add_sim_arguments(p) -> None:
                    help="lrmoe: aim at most (1 + this) x the mean retained rows per rank, "
                         "with replicas (default %(default)s, as the runtime; negative: off)")
     p.add_argument("--offload", action="store_true", help="saved activations on the host")
-    p.add_argument("--dedup-top-k", type=int, default=1, metavar="K",
+    p.add_argument("--dedup-top-k", type=int, default=None, metavar="K",
                    help="experts per token the all-to-alls deduplicate over, per rank and "
-                        "node (csrc/sim/a2a.h): 1 (default) is lrmoe's own EP layer, one row "
-                        "per (token, expert) pair; the model's top_k models a DeepEP-style "
-                        "dispatcher")
+                        "node (csrc/sim/a2a.h). Default: the model's top_k (8 for "
+                        "qwen3-30b-a3b), what a DeepEP-style dispatcher deduplicates over, "
+                        "for every policy; 1: one row per (token, expert) pair, what lrmoe's "
+                        "own EP layer sends today")
+    # the planner's options (lrmoe.planner.plan.plan; docs/planner.md); the defaults are
+    # the paper's policies: LRMoE plans jointly, UltraEP has its refinement passes and
+    # its spare-capacity split, every policy knows the node boundaries of --links
+    p.add_argument("--joint", action=argparse.BooleanOptionalAction, default=None,
+                   help="lrmoe: plan where to cut and where to replicate on one objective, "
+                        "the max rank time of forward + retained rows + replica traffic, c as "
+                        "a budget (csrc/planner/joint.h). Default on (the paper plans them "
+                        "together); --no-joint: the sequential plan (fixed-rule quotas, a cut "
+                        "only on ranks over budget, then replicas)")
+    p.add_argument("--replica-cost-rows", type=int, default=0, metavar="KAPPA",
+                   help="with --joint: one replica's weight and gradient traffic in row-times "
+                        "(default 0: the simulator hides replica traffic behind the expert "
+                        "compute at EP8, so a replica costs only its slot)")
+    p.add_argument("--ultraep-refine", action=argparse.BooleanOptionalAction, default=None,
+                   help="ultraep: refinement passes after the bisection (local moves of rows "
+                        "that lower the max rank load; csrc/planner/ultraep_refine.h). Default "
+                        "on, as the paper's UltraEP; --no-ultraep-refine: the bisection alone")
+    p.add_argument("--spare-capacity-split", default="ultraep", choices=("none", "ultraep", "all"),
+                   help="which policies deal the forward rows beyond a source's own rank (and "
+                        "node) in proportion to the instances' remaining capacity, UltraEP's "
+                        "rule, instead of north-west (the rows per instance are unchanged). "
+                        "Default ultraep (the paper's UltraEP)")
+    p.add_argument("--replan-threshold", type=float, default=None, metavar="T",
+                   help="hysteresis (csrc/planner/hysteresis.h) for fixed, ultraep and lrmoe "
+                        "in Figs. 7/8: each layer keeps its previous step's placement unless a "
+                        "fresh plan's max rank time is lower by more than T in [0, 1). Default "
+                        "off: the simulator streams every replica's weights per layer (slots "
+                        "are reused across layers), so keeping a placement saves no traffic in "
+                        "its time model and can only keep a worse plan")
+    p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+                   help="ranks per node (NVLink domain) for the planner's topology (replicas "
+                        "on the owner's node first, forward splits prefer same-node "
+                        "instances) and for the all-to-all model. Default: gpus_per_node of "
+                        "--links (8 in configs/links/default.yaml); must divide --gpus")
     p.add_argument("--pressure", nargs="*", type=float, default=list(range(1, 21)),
                    help="batch multipliers of Fig. 6 (default 1, 2, ..., 20: a 1x grid, so "
                         "a policy's step where it stops fitting is not an artifact of "
@@ -178,19 +223,100 @@ def _memory(shape, args, offload=False):
                           offload=offload)
 
 
+def planner_options(args, policy: str, num_ranks: int) -> dict:
+    """The planner's options of ``policy`` from ``lrmoe sim``'s resolved flags
+    (:func:`resolve_planner_flags`), as keyword arguments of
+    :func:`lrmoe.sim.simulate.simulate`: joint and its replica cost for lrmoe only,
+    refinement for ultraep only, the spare-capacity split where ``--spare-capacity-split``
+    names the policy, and the node size when it is smaller than the ``num_ranks`` group
+    (a node of W or more ranks is one node: the flat plan)."""
+    g = getattr(args, "planner_gpus_per_node", None)
+    split = getattr(args, "spare_capacity_split", "none")
+    joint = bool(getattr(args, "joint", False)) and policy == "lrmoe"
+    return dict(joint=joint,
+                replica_cost_rows=int(getattr(args, "replica_cost_rows", 0)) if joint else 0,
+                ultraep_refine=bool(getattr(args, "ultraep_refine", False)) and policy == "ultraep",
+                spare_capacity_split=split == "all" or (split == "ultraep" and policy == "ultraep"),
+                gpus_per_node=g if g is not None and g < num_ranks else None)
+
+
+def resolve_planner_flags(args, links: Links) -> Links:
+    """Check the planner flags of ``lrmoe sim`` against each other and the policies, and
+    resolve their defaults in ``args`` (``joint``, ``ultraep_refine`` on;
+    ``dedup_top_k`` the model's top_k; ``planner_gpus_per_node`` from ``--gpus-per-node``
+    or ``links``).
+
+    Returns:
+        ``links``, with ``gpus_per_node`` replaced by ``--gpus-per-node`` when given (the
+        planner and the all-to-all model see one topology).
+
+    Raises:
+        ValueError: naming the flag and the fix: ``--joint`` or ``--ultraep-refine``
+            without its policy in ``--policies``, ``--replica-cost-rows`` < 0 or without
+            ``--joint``, ``--replan-threshold`` outside [0, 1) or with symi alone,
+            ``--gpus-per-node`` < 1 or not dividing ``--gpus``, ``--dedup-top-k`` above the
+            model's top_k.
+    """
+    pols = set(args.policies)
+    for flag, v, pol in (("--joint", args.joint, "lrmoe"),
+                         ("--ultraep-refine", args.ultraep_refine, "ultraep")):
+        if v and pol not in pols:
+            raise ValueError(f"{flag} applies to policy {pol} only, which is not in --policies "
+                             f"({' '.join(args.policies)}); add {pol} to --policies or drop "
+                             f"{flag}")
+    args.joint = "lrmoe" in pols if args.joint is None else bool(args.joint)
+    args.ultraep_refine = "ultraep" in pols if args.ultraep_refine is None \
+        else bool(args.ultraep_refine)
+    if args.replica_cost_rows < 0:
+        raise ValueError(f"--replica-cost-rows must be >= 0 (one replica's traffic in "
+                         f"row-times), got {args.replica_cost_rows}")
+    if args.replica_cost_rows and not args.joint:
+        raise ValueError("--replica-cost-rows is a term of lrmoe's joint objective and does "
+                         "nothing without it; drop --no-joint (joint is the default) or drop "
+                         "--replica-cost-rows")
+    t = args.replan_threshold
+    if t is not None:
+        if not 0.0 <= t < 1.0:
+            raise ValueError(f"--replan-threshold must be in [0, 1) (the fraction of the kept "
+                             f"plan's max rank time a new plan must save), got {t}")
+        if not pols - {"symi"}:
+            raise ValueError("--replan-threshold (hysteresis) applies to fixed, ultraep and "
+                             "lrmoe; symi's slots move every step by design. Add one of them "
+                             "to --policies or drop --replan-threshold")
+    g = args.gpus_per_node
+    if g is not None:
+        if not g >= 1 or args.gpus % g:
+            raise ValueError(f"--gpus-per-node must be an integer >= 1 that divides --gpus "
+                             f"{args.gpus} (ranks per node), got {g}; leave it out to take "
+                             f"gpus_per_node from --links ({links.gpus_per_node})")
+        links = dataclasses.replace(links, gpus_per_node=int(g))
+    args.planner_gpus_per_node = int(links.gpus_per_node)
+    top_k = MODELS[args.model].top_k
+    if args.dedup_top_k is None:
+        args.dedup_top_k = top_k
+    elif not 1 <= args.dedup_top_k <= top_k:
+        raise ValueError(f"--dedup-top-k must be in [1, {top_k}] (the experts per token "
+                         f"{args.model} routes to; 1: no dedup), got {args.dedup_top_k}")
+    return links
+
+
 def _run(args, shape, costs, links, policy, loads, multiplier=0.0, memory=None,
-         activations=None):
+         activations=None, hysteresis=False):
     rate = args.rate if policy == "lrmoe" else 0.0
     # --activations offload puts the planned layer's gate/up rows on the host too
     offload = args.offload or (activations is not None and
                                activations.mode == S._C.sim.ActivationMode.offload)
     mem = memory or _memory(shape, args, offload)
+    t = getattr(args, "replan_threshold", None)
     res = S.simulate(loads, policy, mem, costs, links, shape.hidden_size, rate,
                      replica_slots=args.replica_slots, threads=args.threads,
                      balance_slack=None if args.balance_slack < 0 else args.balance_slack,
                      offload=offload,
                      offload_row_bytes=4 * shape.moe_intermediate_size if offload else 0,
-                     multiplier=multiplier, top_k=args.dedup_top_k, activations=activations)
+                     multiplier=multiplier, top_k=args.dedup_top_k or 1,
+                     activations=activations,
+                     replan_threshold=t if hysteresis and policy != "symi" else None,
+                     **planner_options(args, policy, loads.shape[2]))
     return res
 
 
@@ -275,7 +401,7 @@ def run_sim(args) -> dict:
                          "use --scale 64 128 ... 1024")
     layers = args.layers or shape.moe_layers
     costs = Costs.from_file(args.costs, args.costs_shape or args.model)
-    links = Links.from_file(args.links, flag="--links")
+    links = resolve_planner_flags(args, Links.from_file(args.links, flag="--links"))
     t0 = time.time()
     loads = cluster_loads(args.gpus, shape.num_experts, args.tokens_per_gpu, shape.top_k,
                             args.steps, layers, args.skew, args.trace, args.seed,
@@ -289,7 +415,12 @@ def run_sim(args) -> dict:
                                 resident_gib=args.resident_gib, offload=args.offload,
                                 replica_slots=args.replica_slots,
                                 balance_slack=args.balance_slack,
-                                dedup_top_k=args.dedup_top_k,
+                                dedup_top_k=args.dedup_top_k, joint=args.joint,
+                                replica_cost_rows=args.replica_cost_rows,
+                                ultraep_refine=args.ultraep_refine,
+                                spare_capacity_split=args.spare_capacity_split,
+                                replan_threshold=args.replan_threshold,
+                                gpus_per_node=args.planner_gpus_per_node,
                                 drift=None if args.drift_fit is None else
                                 dict(zip(("phi", "sigma", "jitter"), args.drift_fit))),
                      costs=dict(file=args.costs, shape=costs.shape, meta=costs.meta),
@@ -297,7 +428,7 @@ def run_sim(args) -> dict:
                                 per_peer_us=links.per_peer_us, chunks=links.chunks),
                      policies={})
     for pol in args.policies:
-        res = _run(args, shape, costs, links, pol, loads)
+        res = _run(args, shape, costs, links, pol, loads, hysteresis=True)
         summ = S.summarize(res, layers)
         # a layer whose plan does not fit runs as more, smaller micro-batches (its time
         # is k x one micro-batch's; 'none fits' stays NaN): the time Table 1 charges
@@ -320,13 +451,43 @@ def run_sim(args) -> dict:
     out["seconds"] = time.time() - t0
     d = Path(args.out)
     d.mkdir(parents=True, exist_ok=True)
-    (d / "sim.json").write_text(json.dumps(out, indent=1, default=_nan) + "\n")
+    (d / "sim.json").write_text(strict_json(out, indent=1) + "\n")
     plot_all(out, d)
     return out
 
 
 def _nan(v):
     return None if isinstance(v, float) and math.isnan(v) else v
+
+
+def _finite(v):
+    """``v`` with every non-finite float (NaN, +-inf) as None and numpy scalars and
+    arrays as Python numbers and lists, recursively through dicts, lists and tuples."""
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    if isinstance(v, np.ndarray):
+        return _finite(v.tolist())
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    if isinstance(v, np.integer):
+        return int(v)
+    if isinstance(v, (float, np.floating)):
+        return float(v) if math.isfinite(v) else None
+    return v
+
+
+def strict_json(obj, **kwargs) -> str:
+    """``obj`` as JSON text that every parser reads: NaN and +-inf (an undefined mean, an
+    interval of one seed, the time of a plan that does not fit), which ``json.dumps``
+    would write as the non-JSON tokens NaN and Infinity (RFC 8259 section 6), become
+    null. ``kwargs`` go to :func:`json.dumps` (e.g. ``indent``).
+
+    Raises:
+        TypeError: an object JSON cannot hold (as :func:`json.dumps`).
+    """
+    return json.dumps(_finite(obj), allow_nan=False, **kwargs)
 
 
 def pressure(args, shape, costs, links, layers) -> dict:
@@ -423,8 +584,8 @@ def scale(args, shape, costs, links, layers) -> dict:
                                    args.rate if pol == "lrmoe" else 0.0,
                                    replica_slots=args.replica_slots, threads=args.threads,
                                    balance_slack=None if args.balance_slack < 0
-                                   else args.balance_slack, top_k=args.dedup_top_k,
-                                   step=model)
+                                   else args.balance_slack, top_k=args.dedup_top_k or 1,
+                                   step=model, **planner_options(args, pol, ep))
             ok = bool((r["feasible"] > 0).all())
             nan = float("nan")
             ms = float(np.mean(r["time_ms"])) if ok else nan

@@ -21,7 +21,8 @@ from lrmoe.ops import _C
 from lrmoe.sim.costs import PER_ROW, Costs
 # the link files live in lrmoe.sim.links (the link benchmark reads them too)
 from lrmoe.sim.links import Links
-from lrmoe.planner.plan import DEFAULT_BALANCE_SLACK, MemoryModel, check_slots, plan_input
+from lrmoe.planner.plan import (DEFAULT_BALANCE_SLACK, MemoryModel, check_slots, plan_input,
+                               set_options)
 from lrmoe.workload.shapes import ModelShape
 
 
@@ -163,7 +164,10 @@ def simulate(load_SLWE: np.ndarray, policy: str, memory: MemoryModel, costs: Cos
              offload: bool = False, offload_row_bytes: int = 0, elem_bytes: int = 2,
              threads: int = 2, per_rank_bytes: bool = False, multiplier: float = 0.0,
              max_micro_batches: int = 64, chunk_steps: int = 16, top_k: int = 1,
-             activations: Optional["_C.sim.ActivationModel"] = None) -> dict:
+             activations: Optional["_C.sim.ActivationModel"] = None, *, joint: bool = False,
+             replica_cost_rows: int = 0, gpus_per_node: Optional[int] = None,
+             ultraep_refine: bool = False, spare_capacity_split: bool = False,
+             replan_threshold: Optional[float] = None) -> dict:
     """Simulate every (step, layer) of ``load_SLWE`` under ``policy``.
 
     Args:
@@ -185,11 +189,24 @@ def simulate(load_SLWE: np.ndarray, policy: str, memory: MemoryModel, costs: Cos
         activations: batch pressure only: the whole model's activations added to the
             resident of every micro-batch (:func:`activation_model`); None: the old
             model, one MoE layer's buffers against a fixed resident.
+        joint, replica_cost_rows, gpus_per_node, ultraep_refine, spare_capacity_split:
+            the planner's options, exactly as :func:`lrmoe.planner.plan.plan` takes them
+            (checked by :func:`lrmoe.planner.plan.set_options`; joint lrmoe only,
+            ultraep_refine ultraep only, gpus_per_node in [1, W]).
+        replan_threshold: None: every (step, layer) planned afresh. A number in [0, 1):
+            hysteresis across steps (csrc/planner/hysteresis.h): each layer's plan keeps
+            the placement of the same layer's plan one step earlier unless a fresh plan
+            is better by more than this fraction of its max rank time. Steps are then
+            planned in order, one layer at a time on one thread. fixed, ultraep, lrmoe
+            only; not with ``multiplier`` (batch pressure plans each cell alone).
 
     Returns:
         dict: each of :data:`FIELDS` -> (N,) float64 in (step, layer) order
-        (``activation_bytes`` and ``recompute_ms`` 0 outside batch pressure); ``sent_N5W``
-        (N, 5, W) int64 when asked; ``reason``: the first infeasible plan's reason ('').
+        (``activation_bytes`` and ``recompute_ms`` 0 outside batch pressure);
+        ``kept_previous`` (N,) 1.0 where hysteresis kept the previous placement and
+        ``moved_replicas`` (N,) replicas placed anew (0 without ``replan_threshold``);
+        ``sent_N5W`` (N, 5, W) int64 when asked; ``reason``: the first infeasible plan's
+        reason ('').
 
     Raises:
         ValueError: bad input (naming the argument or the C++ field), from here or from
@@ -209,9 +226,24 @@ def simulate(load_SLWE: np.ndarray, policy: str, memory: MemoryModel, costs: Cos
     inp = plan_input(W, load.shape[3], memory, recalibration_rate, "proportional",
                      replica_slots, symi_slots, max_expert_cut, 0, min_replica_rows,
                      balance_slack)
+    set_options(inp, policy, joint=joint, replica_cost_rows=replica_cost_rows,
+                gpus_per_node=gpus_per_node, ultraep_refine=ultraep_refine,
+                spare_capacity_split=spare_capacity_split,
+                replan_threshold=0.0 if replan_threshold is None else replan_threshold)
+    if replan_threshold is not None and (policy == "symi" or multiplier > 0):
+        raise ValueError("replan_threshold (hysteresis, --replan-threshold) applies to the "
+                         "per-layer plans of fixed, ultraep and lrmoe; symi's slots move "
+                         "every step by design and batch pressure plans each cell alone: "
+                         f"got policy {policy!r}, multiplier {multiplier}; pass None there")
     # (layer, micro_batches, time_ms) per (step, layer)
     rows, prev = [], None
-    for s0 in range(0, load.shape[0], chunk_steps):
+    kept = np.zeros(load.shape[0] * load.shape[1])
+    moved = np.zeros_like(kept)
+    if replan_threshold is not None:
+        for j, (r, k, m) in enumerate(_with_hysteresis(policy, inp, load, cfg)):
+            rows.append((r, 1, r.fwd_ms + r.bwd_ms, 0, 0.0))
+            kept[j], moved[j] = k, m
+    for s0 in range(0, load.shape[0] if replan_threshold is None else 0, chunk_steps):
         chunk = np.ascontiguousarray(load[s0:s0 + chunk_steps])
         if multiplier > 0:  # batch pressure: every (step, layer) at m x its loads
             for cell in chunk.reshape(-1, *chunk.shape[2:]):
@@ -234,7 +266,35 @@ def simulate(load_SLWE: np.ndarray, policy: str, memory: MemoryModel, costs: Cos
                                     if r.sent_bytes_5W.size else
                                     np.zeros((len(SENT_KEYS), W), dtype=np.int64)
                                     for r in layers]).reshape(-1, len(SENT_KEYS), W)
+    out["kept_previous"], out["moved_replicas"] = kept, moved
     out["reason"] = next((r.reason for r in layers if not r.feasible), "")
+    return out
+
+
+def _with_hysteresis(policy: str, inp, load: np.ndarray, cfg):
+    """(LayerResult, kept_previous, moved_replicas) per (step, layer) of ``load``
+    (S, Lyr, W, E), in (step, layer) order: each layer's steps planned in order, the
+    previous step's plan of that layer handed to the C++ planner as the previous
+    placement (csrc/planner/hysteresis.h decides whether to keep it). The plan is made
+    twice per cell, once for its placement (``_C.planner.plan``) and once inside
+    ``_C.sim.simulate_layer`` (both ``make_plan`` on the same input, so the same plan):
+    the binding's layer result does not carry the placement."""
+    S_, L = load.shape[:2]
+    out = [None] * (S_ * L)
+    empty32, empty64 = np.zeros(0, np.int32), np.zeros(0, np.int64)
+    for layer in range(L):
+        inp.previous_instance_offsets, inp.previous_instance_rank = empty32, empty32
+        inp.previous_instance_rows = empty64
+        for step in range(S_):
+            inp.load_WE = np.ascontiguousarray(load[step, layer])
+            p = _C.planner.plan(policy, inp)
+            r = _C.sim.simulate_layer(policy, inp, cfg)
+            out[step * L + layer] = (r, float(p.kept_previous), float(p.moved_replicas))
+            W = p.num_ranks
+            inp.previous_instance_offsets = np.asarray(p.instance_offsets, np.int32)
+            inp.previous_instance_rank = np.asarray(p.instance_rank, np.int32)
+            inp.previous_instance_rows = np.asarray(p.forward_IW, np.int64).reshape(
+                -1, W).sum(axis=1)
     return out
 
 
@@ -285,7 +345,9 @@ def simulate_cluster(load_SGLWE: np.ndarray, policy: str, memory: MemoryModel, c
                      links: Links, hidden: int, recalibration_rate: float = 0.0,
                      replica_slots: int = 2, balance_slack: Optional[float] = DEFAULT_BALANCE_SLACK,
                      threads: int = 2, top_k: int = 1,
-                     step: Optional["_C.sim.StepModel"] = None) -> dict:
+                     step: Optional["_C.sim.StepModel"] = None, *, joint: bool = False,
+                     replica_cost_rows: int = 0, gpus_per_node: Optional[int] = None,
+                     ultraep_refine: bool = False, spare_capacity_split: bool = False) -> dict:
     """Every expert-parallel group of a cluster (its data-parallel copies), each on its
     own loads: a (step, layer) takes as long as its slowest group, whose gradient
     reduction the others wait for (csrc/sim/cluster.h; docs/simulation.md, "64-1024
@@ -297,6 +359,8 @@ def simulate_cluster(load_SGLWE: np.ndarray, policy: str, memory: MemoryModel, c
             modelled here).
         step: the model outside the MoE layers (:func:`step_model`; its ``dp_size`` must
             be Gr), for the per-step results.
+        joint ... spare_capacity_split: the planner's options, as :func:`simulate`
+            (no hysteresis here: every group's cells are planned alone).
 
     Returns:
         dict of (S x Lyr,) float64 in (step, layer) order: ``feasible`` (1: every group's
@@ -321,6 +385,9 @@ def simulate_cluster(load_SGLWE: np.ndarray, policy: str, memory: MemoryModel, c
     cfg = sim_config(costs, links, hidden, top_k=top_k)
     inp = plan_input(load.shape[3], load.shape[4], memory, recalibration_rate, "proportional",
                      replica_slots, 0, 0.5, 0, 1, balance_slack)
+    set_options(inp, policy, joint=joint, replica_cost_rows=replica_cost_rows,
+                gpus_per_node=gpus_per_node, ultraep_refine=ultraep_refine,
+                spare_capacity_split=spare_capacity_split)
     if step is not None and step.dp_size != load.shape[1]:
         raise ValueError(f"step.dp_size must be the loads' {load.shape[1]} groups, got "
                          f"{step.dp_size}; build it with step_model(shape, groups, ...)")
@@ -408,7 +475,9 @@ def summarize(res: dict, layers: int) -> dict:
     """Per-step totals and per-layer means of a :func:`simulate` result: ``feasible``
     (share of layer plans that fit), mean per-layer ms of every time field over the
     feasible ones, ``moe_ms_per_step`` (mean over steps of the sum over layers of
-    fwd + bwd; NaN when any plan is infeasible), peak memory parts (max over layers)."""
+    fwd + bwd; NaN when any plan is infeasible), peak memory parts (max over layers),
+    with hysteresis the share of plans that kept their placement (``kept_previous``) and
+    the mean replicas placed anew per plan (``moved_replicas``)."""
     ok = res["feasible"] > 0
     out = {"feasible": float(ok.mean()), "reason": res.get("reason", "")}
     for k in FIELDS:
@@ -422,6 +491,10 @@ def summarize(res: dict, layers: int) -> dict:
     steps = per_layer.reshape(-1, layers).sum(axis=1)
     out["moe_ms_per_step"] = float(np.mean(steps)) if ok.all() else float("nan")
     out["retained_fraction"] = float(res["retained"].sum() / max(1.0, res["pairs"].sum()))
+    # hysteresis: the share of plans that kept the previous placement, replicas moved
+    for k in ("kept_previous", "moved_replicas"):
+        if k in res:
+            out[k] = float(np.mean(res[k]))
     return out
 
 
