@@ -103,6 +103,8 @@ void bind_sim(py::module_ m) {
       .field("self_GBps", &LinkModel::self_GBps, "device copy of a rank's own rows (0: free)")
       .field("per_peer_us", &LinkModel::per_peer_us, "us per distinct peer of a link class")
       .field("chunks", &LinkModel::chunks, "network/NVLink phases pipelined over (1: in sequence)")
+      .field("overlap_chunks", &LinkModel::overlap_chunks,
+             "all-to-alls pipelined with the expert GEMMs over (1: in sequence)")
       .done();
 
   // the whole model's activations under batch pressure (sim/activations.h)
@@ -182,6 +184,9 @@ void bind_sim(py::module_ m) {
       .field("dx_a2a_ms", &LayerResult::dx_a2a_ms, "ms")
       .field("replica_ms", &LayerResult::replica_ms, "exposed ms")
       .field("offload_ms", &LayerResult::offload_ms, "exposed ms")
+      .field("overlap_fwd_ms", &LayerResult::overlap_fwd_ms,
+             "ms the a2a / GEMM overlap saves in the forward (negative: chunking costs)")
+      .field("overlap_bwd_ms", &LayerResult::overlap_bwd_ms, "the same in the backward")
       .field("fwd_link_bytes", &LayerResult::fwd_link_bytes, "bytes over links, all ranks")
       .field("bwd_link_bytes", &LayerResult::bwd_link_bytes, "bytes over links, all ranks")
       .field("replica_bytes", &LayerResult::replica_bytes, "bytes")

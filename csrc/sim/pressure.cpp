@@ -30,7 +30,8 @@ LayerResult activations_do_not_fit(const planner::PlanInput& in, int64_t act) {
   for (int64_t v : in.load_WE) r.pairs += v;
   for (double* t : {&r.fwd_ms, &r.bwd_ms, &r.src_fwd_ms, &r.dispatch_ms, &r.expert_fwd_ms,
                     &r.combine_ms, &r.src_bwd_ms, &r.grad_a2a_ms, &r.expert_bwd_ms,
-                    &r.dx_a2a_ms, &r.replica_ms, &r.offload_ms, &r.broadcast_ms})
+                    &r.dx_a2a_ms, &r.replica_ms, &r.offload_ms, &r.broadcast_ms,
+                    &r.overlap_fwd_ms, &r.overlap_bwd_ms})
     *t = kNaN;
   return r;
 }

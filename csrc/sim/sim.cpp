@@ -183,6 +183,16 @@ namespace {
 // built from cfg on the first feasible plan (GemmTable's constructor sorts the grid into
 // a map, which per layer was a measurable share of simulate_trace; an infeasible plan
 // never needs it, so an empty grid still throws only where a plan is timed).
+// n chunks through three stages, the first and last on the links (an all-to-all out,
+// one back), the middle on the SMs: chunk i computes while chunk i + 1 goes out and
+// chunk i - 1 comes back. The links carry both directions' chunks, so the steady state
+// is the slower of (out + back) and compute per chunk; the first chunk fills the pipe:
+// out + compute + back + (n - 1) * max(out + back, compute). n = 1: the phases in
+// sequence. (The two-resource pipeline bound; Comet / DeepEP-style chunked overlap.)
+double pipelined_ms(double out1, double compute1, double back1, int32_t n) {
+  return out1 + compute1 + back1 + (n - 1) * std::max(out1 + back1, compute1);
+}
+
 LayerResult time_plan(const planner::Plan& plan, const planner::PlanInput& in,
                       const SimConfig& cfg, std::optional<GemmTable>* gemm_cache) {
   const int32_t W = plan.num_ranks, E = plan.num_experts;
@@ -248,7 +258,7 @@ LayerResult time_plan(const planner::Plan& plan, const planner::PlanInput& in,
     for (double* t : {&res.fwd_ms, &res.bwd_ms, &res.src_fwd_ms, &res.dispatch_ms,
                       &res.expert_fwd_ms, &res.combine_ms, &res.src_bwd_ms, &res.grad_a2a_ms,
                       &res.expert_bwd_ms, &res.dx_a2a_ms, &res.replica_ms, &res.offload_ms,
-                      &res.broadcast_ms})
+                      &res.broadcast_ms, &res.overlap_fwd_ms, &res.overlap_bwd_ms})
       *t = kNaN;
     return res;
   }
@@ -344,7 +354,7 @@ LayerResult time_plan(const planner::Plan& plan, const planner::PlanInput& in,
     for (double* t : {&res.fwd_ms, &res.bwd_ms, &res.src_fwd_ms, &res.dispatch_ms,
                       &res.expert_fwd_ms, &res.combine_ms, &res.src_bwd_ms, &res.grad_a2a_ms,
                       &res.expert_bwd_ms, &res.dx_a2a_ms, &res.replica_ms, &res.offload_ms,
-                      &res.broadcast_ms})
+                      &res.broadcast_ms, &res.overlap_fwd_ms, &res.overlap_bwd_ms})
       *t = kNaN;
     return res;
   }
@@ -420,8 +430,35 @@ LayerResult time_plan(const planner::Plan& plan, const planner::PlanInput& in,
   const double rep_f_exposed = any_rep ? std::max(0.0, t_rep_f - (res.src_fwd_ms + res.dispatch_ms)) : 0.0;
   const double rep_b_exposed = any_rep ? std::max(0.0, t_rep_b - res.expert_bwd_ms) : 0.0;
   res.replica_ms = rep_f_exposed + rep_b_exposed;
-  const double fwd = res.src_fwd_ms + res.dispatch_ms + res.expert_fwd_ms + res.combine_ms;
-  const double bwd = res.src_bwd_ms + res.grad_a2a_ms + res.expert_bwd_ms + res.dx_a2a_ms;
+  double fwd = res.src_fwd_ms + res.dispatch_ms + res.expert_fwd_ms + res.combine_ms;
+  double bwd = res.src_bwd_ms + res.grad_a2a_ms + res.expert_bwd_ms + res.dx_a2a_ms;
+  const int32_t n = cfg.link.overlap_chunks;
+  if (n < 1) throw std::invalid_argument("simulate: link.overlap_chunks must be >= 1");
+  if (n > 1) {
+    // one chunk of each phase: the all-to-alls at 1/n of the row bytes (their latencies
+    // whole), every rank's GEMMs at 1/n of its instances' rows
+    const double inv = 1.0 / n;
+    double gf1 = 0, gb1 = 0;
+    thread_local std::vector<double> part;
+    for (int32_t r = 0; r < W; ++r) {
+      const double F = static_cast<double>(plan.forward_rows_W[r]);
+      const double B = static_cast<double>(plan.backward_rows_W[r]);
+      part.assign(rows_f_W[r].begin(), rows_f_W[r].end());
+      for (double& x : part) x *= inv;
+      gf1 = std::max(gf1, gemm.ms_instances(part, false) + F * inv * ep_f);
+      part.assign(rows_b_W[r].begin(), rows_b_W[r].end());
+      for (double& x : part) x *= inv;
+      gb1 = std::max(gb1, gemm.ms_instances(part, true) + B * inv * (c.compact + ep_b));
+    }
+    const double pf = pipelined_ms(hierarchical_a2a_ms(Df, rb * inv, cfg.link), gf1,
+                                   hierarchical_a2a_ms(Df_back, (rb + 4) * inv, cfg.link), n);
+    const double pb = pipelined_ms(hierarchical_a2a_ms(Db, (rb + 4) * inv, cfg.link), gb1,
+                                   hierarchical_a2a_ms(Db_back, rb * inv, cfg.link), n);
+    res.overlap_fwd_ms = res.dispatch_ms + res.expert_fwd_ms + res.combine_ms - pf;
+    res.overlap_bwd_ms = res.grad_a2a_ms + res.expert_bwd_ms + res.dx_a2a_ms - pb;
+    fwd = res.src_fwd_ms + pf;
+    bwd = res.src_bwd_ms + pb;
+  }
   // offload: saved rows leave during the layer's expert forward; the retained rows come
   // back during the backward of the layer above (about as long as this one)
   const double off_f = std::max(0.0, d2h - res.expert_fwd_ms);

@@ -66,6 +66,12 @@ struct LinkModel {
   // chunks the network and NVLink phases of a hierarchical all-to-all are pipelined
   // over (1: in sequence; a2a.h hierarchical_a2a_ms)
   int32_t chunks = 1;
+  // chunks a layer's token all-to-alls are pipelined with its expert GEMMs over (the
+  // dispatcher splits the rows and runs chunk i's GEMM while chunk i + 1 is dispatched
+  // and chunk i - 1 combined; sim.cpp pipelined_ms). 1: phases in sequence (the model
+  // before issue 30's overlap); each chunk pays the collectives' latencies again and runs
+  // its GEMMs on 1 / overlap_chunks of the rows (the calibrated curve at those rows)
+  int32_t overlap_chunks = 1;
 };
 
 struct SimConfig {
@@ -142,6 +148,11 @@ struct LayerResult {
   double src_fwd_ms = 0, dispatch_ms = 0, expert_fwd_ms = 0, combine_ms = 0;
   double src_bwd_ms = 0, grad_a2a_ms = 0, expert_bwd_ms = 0, dx_a2a_ms = 0;
   double replica_ms = 0, offload_ms = 0;  // exposed (not hidden behind compute)
+  // what pipelining the all-to-alls with the expert GEMMs over link.overlap_chunks
+  // saves against the phases in sequence (dispatch + expert + combine, and gradient +
+  // expert backward + dx), ms; fwd_ms / bwd_ms include it; 0 with one chunk, negative
+  // where the chunks' extra latencies and smaller GEMMs cost more than the overlap hides
+  double overlap_fwd_ms = 0, overlap_bwd_ms = 0;
   // bytes over links (rows a rank keeps are not counted; a row a proxy forwards counts
   // on both hops), summed over ranks
   double fwd_link_bytes = 0, bwd_link_bytes = 0, replica_bytes = 0, offload_bytes = 0;

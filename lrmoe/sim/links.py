@@ -83,6 +83,9 @@ class Links:
     #: chunks the network and NVLink phases of a hierarchical all-to-all are pipelined
     #: over (csrc/sim/a2a.h); optional key ``chunks``, 1: in sequence
     chunks: int = 1
+    #: chunks a layer's all-to-alls are pipelined with its expert GEMMs over (csrc/sim/
+    #: sim.h LinkModel::overlap_chunks); optional key ``overlap_chunks``, 1: in sequence
+    overlap_chunks: int = 1
 
     @classmethod
     def from_file(cls, path: Optional[str] = None, flag: Optional[str] = None) -> "Links":
@@ -92,8 +95,10 @@ class Links:
             path: the YAML file: a mapping with ``gpus_per_node`` (a positive integer) and
                 ``intra_node``/``inter_node`` mappings of ``GBps`` and ``latency_us``
                 (finite numbers > 0), each optionally with ``source``/``latency_source``;
-                optionally ``per_peer_us`` (a finite number >= 0) and ``chunks`` (an
-                integer >= 1) for the all-to-all model of csrc/sim/a2a.h.
+                optionally ``per_peer_us`` (a finite number >= 0), ``chunks`` (an
+                integer >= 1) for the all-to-all model of csrc/sim/a2a.h, and
+                ``overlap_chunks`` (an integer >= 1: the all-to-alls pipelined with the
+                expert GEMMs, csrc/sim/sim.h).
             flag: the command-line option that named ``path`` (``"--base-links"``); the
                 messages then start with it, so the user knows which argument to fix.
 
@@ -148,6 +153,9 @@ class Links:
             vals["per_peer_us"] = v
         if "chunks" in d:
             vals["chunks"] = _positive_int(where, d, "chunks", "a whole number of chunks")
+        if "overlap_chunks" in d:
+            vals["overlap_chunks"] = _positive_int(where, d, "overlap_chunks",
+                                                   "a whole number of chunks")
         src = {f"{side}.{k}": str(d[side].get(k, "")) for side in ("intra_node", "inter_node")
                for k in ("source", "latency_source")}
         return cls(str(d.get("name", p.stem)), sources=src, **vals)

@@ -132,6 +132,12 @@ def add_sim_arguments(p) -> None:
                         "on the owner's node first, forward splits prefer same-node "
                         "instances) and for the all-to-all model. Default: gpus_per_node of "
                         "--links (8 in configs/links/default.yaml); must divide --gpus")
+    p.add_argument("--overlap-chunks", type=int, default=None, metavar="N",
+                   help="pipeline each layer's token all-to-alls with its expert GEMMs over N "
+                        "chunks (chunk i computes while chunk i + 1 is dispatched and i - 1 "
+                        "combined; each chunk pays the latencies again and runs 1/N of the "
+                        "rows; csrc/sim/sim.h). Default: overlap_chunks of --links (1: the "
+                        "phases in sequence, an upper bound)")
     p.add_argument("--pressure", nargs="*", type=float, default=list(range(1, 21)),
                    help="batch multipliers of Fig. 6 (default 1, 2, ..., 20: a 1x grid, so "
                         "a policy's step where it stops fitting is not an artifact of "
@@ -291,6 +297,12 @@ def resolve_planner_flags(args, links: Links) -> Links:
                              f"gpus_per_node from --links ({links.gpus_per_node})")
         links = dataclasses.replace(links, gpus_per_node=int(g))
     args.planner_gpus_per_node = int(links.gpus_per_node)
+    n = getattr(args, "overlap_chunks", None)
+    if n is not None:
+        if n < 1:
+            raise ValueError(f"--overlap-chunks must be an integer >= 1 (1: the all-to-alls "
+                             f"and expert GEMMs in sequence), got {n}")
+        links = dataclasses.replace(links, overlap_chunks=int(n))
     top_k = MODELS[args.model].top_k
     if args.dedup_top_k is None:
         args.dedup_top_k = top_k
@@ -425,7 +437,8 @@ def run_sim(args) -> dict:
                                 dict(zip(("phi", "sigma", "jitter"), args.drift_fit))),
                      costs=dict(file=args.costs, shape=costs.shape, meta=costs.meta),
                      links=dict(name=links.name, sources=links.sources,
-                                per_peer_us=links.per_peer_us, chunks=links.chunks),
+                                per_peer_us=links.per_peer_us, chunks=links.chunks,
+                                overlap_chunks=links.overlap_chunks),
                      policies={})
     for pol in args.policies:
         res = _run(args, shape, costs, links, pol, loads, hysteresis=True)

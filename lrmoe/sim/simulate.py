@@ -41,7 +41,8 @@ def _fields() -> tuple:
 
 #: the per-layer result keys of :func:`simulate`, derived from the binding's LayerResult
 #: (csrc/sim/sim.h): feasible, binding (its number: 0 none, 1 memory, 2
-#: backward_row_capacity, 3 replica_slots), the phase times fwd_ms ... offload_ms, the link
+#: backward_row_capacity, 3 replica_slots), the phase times fwd_ms ... offload_ms, what the
+#: all-to-all / GEMM overlap saves (overlap_fwd_ms, overlap_bwd_ms; 0 with one chunk), the link
 #: bytes fwd_link_bytes ... offload_bytes, memory_base_experts, memory_replicas,
 #: memory_forward_tokens, memory_backward_tokens (each part's maximum over ranks),
 #: memory_peak (the largest rank's total), limit_bytes, replicas, pairs, retained,
@@ -461,7 +462,8 @@ def sim_config(costs: Costs, links: Links, hidden: int, offload: bool = False,
                             inter_GBps=float(links.inter_GBps),
                             inter_latency_us=float(links.inter_latency_us),
                             self_GBps=float(costs.self_copy_GBps),
-                            per_peer_us=float(links.per_peer_us), chunks=int(links.chunks))
+                            per_peer_us=float(links.per_peer_us), chunks=int(links.chunks),
+                            overlap_chunks=int(getattr(links, "overlap_chunks", 1)))
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
         raise ValueError(f"top_k (experts per token the all-to-all deduplicates over) must "
                          f"be an integer >= 1, got {top_k!r}; 1 is lrmoe's own EP layer")

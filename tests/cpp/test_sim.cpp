@@ -132,6 +132,42 @@ TEST(Sim, ExpertParallelWorkPerRowOnTheExpertRank) {
   EXPECT_GT(a.expert_fwd_ms, 0.0);
 }
 
+TEST(Sim, AllToAllsPipelinedWithTheExpertGemms) {
+  // the toy cluster over 2 chunks: each chunk carries half the rows (500 B dispatch
+  // rows, 502 B combine / gradient rows) and pays the 10 us latency whole; each rank's
+  // GEMM runs 25 rows a chunk (2.5 ms forward; backward 2 x 2.5 + 25 x 0.005 compact).
+  // dispatch chunk: max(10, 20) rows x 500 B at 1 GB/s = 0.01 + 0.01 = 0.02 ms; combine
+  // chunk 20 x 502 B = 0.01004 + 0.01; pipeline: out + compute + back + (n - 1) x
+  // max(out + back, compute) = 0.02 + 2.5 + 0.02004 + 2.5
+  sim::SimConfig cfg = toy_config();
+  cfg.link.overlap_chunks = 2;
+  const sim::LayerResult r = sim::simulate_layer("fixed", toy_input(), cfg);
+  ASSERT_TRUE(r.feasible);
+  EXPECT_NEAR(r.fwd_ms, 1.8 + 5.04004, 1e-12);
+  EXPECT_NEAR(r.overlap_fwd_ms, (0.03 + 5.0 + 0.03008) - 5.04004, 1e-12);
+  // backward: gradient chunk 0.02004, expert chunk 5.125, dx chunk 0.02
+  EXPECT_NEAR(r.bwd_ms, 0.84 + 0.02004 + 5.125 + 0.02 + 5.125, 1e-12);
+  EXPECT_NEAR(r.overlap_bwd_ms, (0.03008 + 10.25 + 0.03) - 10.29004, 1e-12);
+  // the phase breakdown stays the unchunked one (what each phase would take alone)
+  EXPECT_DOUBLE_EQ(r.dispatch_ms, 0.03);
+  EXPECT_DOUBLE_EQ(r.expert_fwd_ms, 5.0);
+  // one chunk: nothing pipelined, nothing saved
+  cfg.link.overlap_chunks = 1;
+  const sim::LayerResult one = sim::simulate_layer("fixed", toy_input(), cfg);
+  EXPECT_DOUBLE_EQ(one.fwd_ms, 1.8 + 0.03 + 5.0 + 0.03008);
+  EXPECT_EQ(one.overlap_fwd_ms, 0.0);
+  // latency-bound links (10 ms a collective): two chunks pay it twice each way and the
+  // overlap costs: chunks 10.01 out, 10.01004 back, 2.5 compute ->
+  // 10.01 + 2.5 + 10.01004 + max(20.02004, 2.5) against 10.02 + 5 + 10.02008 in sequence
+  cfg.link.intra_latency_us = 10000.0;
+  cfg.link.overlap_chunks = 2;
+  const sim::LayerResult slow = sim::simulate_layer("fixed", toy_input(), cfg);
+  EXPECT_NEAR(slow.fwd_ms, 1.8 + 42.54008, 1e-9);
+  EXPECT_NEAR(slow.overlap_fwd_ms, 25.04008 - 42.54008, 1e-9);
+  cfg.link.overlap_chunks = 0;
+  EXPECT_THROW(sim::simulate_layer("fixed", toy_input(), cfg), std::invalid_argument);
+}
+
 TEST(Sim, SelfRowsAreADeviceCopy) {
   // at 0.5 GB/s of self copy, rank 1's 40 own rows (40000 B) take 0.08 ms, longer than
   // its links (0.03 ms); at EP size 1 the copy is all there is: 100 rows, 0.2 ms

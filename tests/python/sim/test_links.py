@@ -99,3 +99,16 @@ def test_a_bad_all_to_all_model_key_is_refused_naming_it(tmp_path, extra, needle
     with pytest.raises(ValueError, match=needle) as err:
         Links.from_file(str(p), flag="--links")
     assert str(err.value).startswith(f"--links {p}")
+
+
+def test_overlap_chunks_reads_as_written_defaults_to_one_and_refuses_bad_values(tmp_path):
+    """overlap_chunks (csrc/sim/sim.h): optional, 1 (the phases in sequence) when absent."""
+    assert Links.from_file(str(_file(tmp_path, "gpus_per_node: 8\n" + _SIDES))
+                           ).overlap_chunks == 1
+    p = tmp_path / "o.yaml"
+    p.write_text("gpus_per_node: 8\noverlap_chunks: 4\n" + _SIDES)
+    assert Links.from_file(str(p)).overlap_chunks == 4
+    for bad in ("0", "2.5", "true"):
+        p.write_text(f"gpus_per_node: 8\noverlap_chunks: {bad}\n" + _SIDES)
+        with pytest.raises(ValueError, match="overlap_chunks must be a whole number"):
+            Links.from_file(str(p), flag="--links")

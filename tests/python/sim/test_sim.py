@@ -461,6 +461,42 @@ def test_sim_config_carries_the_all_to_all_model_and_refuses_a_bad_top_k():
             sim_config(c, links, 64, top_k=bad)
 
 
+def test_overlap_chunks_reach_the_layer_time_and_the_cli_refuses_a_bad_value(tmp_path,
+                                                                            capsys):
+    """links.overlap_chunks reaches the C++ config; one chunk is bit for bit the default
+    (phases in sequence); several chunks change fwd_ms / bwd_ms by exactly the overlap
+    the layer reports, the phase breakdown unchanged (the hand-computed pipeline is
+    tests/cpp/test_sim.cpp, AllToAllsPipelinedWithTheExpertGemms)."""
+    from lrmoe.sim import simulate as S
+    from lrmoe.sim.simulate import sim_config
+    from lrmoe.planner.plan import MemoryModel
+    links = dataclasses.replace(_links(), overlap_chunks=3)
+    assert sim_config(_toy_costs(), links, 64).link.overlap_chunks == 3
+    W, E, H = 4, 8, 64
+    load = np.random.default_rng(5).integers(1, 400, size=(1, 1, W, E)).astype(np.int64)
+    mem = MemoryModel(1, 1, 1, 1, 1, 1 << 40, 0, optimizer_on_device=False)
+
+    def run(n):
+        return S.simulate(load, "fixed", mem, _toy_costs(),
+                          dataclasses.replace(_links(), overlap_chunks=n), H, 0.0,
+                          replica_slots=0, threads=1)
+    base, one, four = run(1), S.simulate(load, "fixed", mem, _toy_costs(), _links(), H, 0.0,
+                                         replica_slots=0, threads=1), run(4)
+    for k in ("fwd_ms", "bwd_ms"):
+        assert np.array_equal(base[k], one[k])
+    assert base["overlap_fwd_ms"][0] == 0 and four["overlap_fwd_ms"][0] != 0
+    for k in ("dispatch_ms", "expert_fwd_ms", "combine_ms", "expert_bwd_ms"):
+        assert np.array_equal(base[k], four[k])
+    np.testing.assert_allclose(four["fwd_ms"], base["fwd_ms"] - four["overlap_fwd_ms"],
+                               rtol=1e-12)
+    np.testing.assert_allclose(four["bwd_ms"], base["bwd_ms"] - four["overlap_bwd_ms"],
+                               rtol=1e-12)
+    capsys.readouterr()
+    assert cli.main(["sim", "--costs", "configs/costs/h200.json", "--overlap-chunks", "0",
+                     "--out", str(tmp_path / "o")]) != 0
+    assert "--overlap-chunks must be an integer >= 1" in capsys.readouterr().err
+
+
 def test_simulate_cluster_waits_for_the_slowest_group():
     """Three groups of W = 4 on their own loads: each (step, layer) of the cluster takes
     the max over groups of that group simulated alone (simulate, the per-group path),

@@ -23,7 +23,9 @@ B = _C.sim
 #: were derived from the binding
 DOCUMENTED = ("feasible", "binding", "fwd_ms", "bwd_ms", "src_fwd_ms", "dispatch_ms",
               "expert_fwd_ms", "combine_ms", "src_bwd_ms", "grad_a2a_ms", "expert_bwd_ms",
-              "dx_a2a_ms", "replica_ms", "offload_ms", "fwd_link_bytes", "bwd_link_bytes",
+              "dx_a2a_ms", "replica_ms", "offload_ms",
+              # issue 30: what the a2a / GEMM overlap saves (link.overlap_chunks)
+              "overlap_fwd_ms", "overlap_bwd_ms", "fwd_link_bytes", "bwd_link_bytes",
               "replica_bytes", "offload_bytes", "memory_base_experts", "memory_replicas",
               "memory_forward_tokens", "memory_backward_tokens", "memory_peak", "limit_bytes",
               "replicas", "pairs", "retained", "fwd_imbalance", "bwd_imbalance",
