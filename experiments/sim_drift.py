@@ -9,6 +9,10 @@ what the one-step lag costs, apart from what drift does to the skew.
     python experiments/sim_drift.py --seeds 0 1 2 3 4 --drift off fitted 0.715,1.523 \\
         --steps 32 --layers 8 --out /tmp/sim-drift
 
+``--drift counts:N`` replays the committed GCIDE counts (experiments/results/drift/
+gcide-tiny-e32-counts.npz) from recorded step N (``lrmoe sim --counts FILE
+--counts-start N``) instead of a synthetic drift.
+
 Every run is ``lrmoe sim --costs configs/costs/h200.json --gpus 8 --steps S --layers L
 --pressure --seed K --drift D --joint --ultraep-refine --spare-capacity-split ultraep
 [--sim-args] --out OUT/D-K`` (no batch pressure: the per-layer figures only;
