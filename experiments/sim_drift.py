@@ -9,6 +9,10 @@ what the one-step lag costs, apart from what drift does to the skew.
     python experiments/sim_drift.py --seeds 0 1 2 3 4 --drift off fitted 0.715,1.523 \\
         --steps 32 --layers 8 --out /tmp/sim-drift
 
+``--drift counts:N`` replays the committed GCIDE counts (experiments/results/drift/
+gcide-tiny-e32-counts.npz) from recorded step N (``lrmoe sim --counts FILE
+--counts-start N``) instead of a synthetic drift.
+
 Every run is ``lrmoe sim --costs configs/costs/h200.json --gpus 8 --steps S --layers L
 --pressure --seed K --drift D --joint --ultraep-refine --spare-capacity-split ultraep
 [--sim-args] --out OUT/D-K`` (no batch pressure: the per-layer figures only;
@@ -35,6 +39,7 @@ from lrmoe.sim.report import FIGURE_FLAGS, run_sim, strict_json
 from lrmoe.workload.loads import cluster_loads
 from lrmoe.workload.shapes import MODELS
 
+COUNTS = str(Path(__file__).resolve().parent / "results" / "drift" / "gcide-tiny-e32-counts.npz")
 POLS = ("fixed", "ultraep", "symi", "lrmoe", "symi_nolag")
 
 
@@ -45,7 +50,8 @@ def symi_nolag(args) -> float:
     layers = args.layers or shape.moe_layers
     loads = cluster_loads(args.gpus, shape.num_experts, args.tokens_per_gpu, shape.top_k,
                           args.steps, layers, args.skew, args.trace, args.seed,
-                          drift=R.parse_drift(args.drift))
+                          drift=args.drift_fit, counts=args.counts,
+                          counts_start=args.counts_start)
     costs = Costs.from_file(args.costs, args.model)
     links = Links.from_file(args.links)
     t = []
@@ -75,11 +81,14 @@ def main(argv=None) -> dict:
     for d in a.drift:
         per, feas = {p: [] for p in POLS}, {}
         for k in a.seeds:
+            # counts:START replays the committed GCIDE counts from recorded step START
+            src = (["--counts", COUNTS, "--counts-start", d.split(":")[1]]
+                   if d.startswith("counts:") else ["--drift", d])
             args = cli.build_parser().parse_args(
                 ["sim", "--costs", a.costs, "--gpus", "8", "--steps", str(a.steps), "--layers",
                  str(a.layers), "--skew", str(a.skew), "--pressure", "--seed", str(k),
-                 "--drift", d, "--threads", "1", *FIGURE_FLAGS, *shlex.split(a.sim_args),
-                 "--out", f"{a.out}/{d.replace(',', '_')}-{k}"])
+                 *src, "--threads", "1", *FIGURE_FLAGS, *shlex.split(a.sim_args),
+                 "--out", f"{a.out}/{d.replace(',', '_').replace(':', '_')}-{k}"])
             out = run_sim(args)
             per["symi_nolag"].append(symi_nolag(args))
             for p in POLS[:-1]:

@@ -83,6 +83,12 @@ def add_sim_arguments(p) -> None:
                         "gcide-tiny-e32.json; docs/simulation.md, 'Popularity drift'), or "
                         "give them; off (default): a fixed popularity, so SYMI's one-step "
                         "lag costs nothing")
+    p.add_argument("--counts", default=None, metavar="FILE.npz",
+                   help="replay each step's and layer's popularity from recorded routed "
+                        "counts (experiments/results/drift/gcide-tiny-e32-counts.npz; "
+                        "lrmoe.workload.loads.counts_loads); not with --trace or --drift")
+    p.add_argument("--counts-start", type=int, default=0, metavar="STEP",
+                   help="--counts: the recorded step simulated step 0 replays")
     p.add_argument("--rate", type=float, default=0.3, help="lrmoe recalibration rate c")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     p.add_argument("--budget-gib", type=float, default=80.0)
@@ -379,6 +385,14 @@ def run_sim(args) -> dict:
         raise ValueError("--drift is for synthetic loads; --trace replays its recorded steps "
                          "in order (their own drift): pass one of them")
     args.drift_fit = drift
+    if getattr(args, "counts", None) is not None:
+        if args.trace is not None or drift is not None:
+            raise ValueError("--counts replays recorded popularity; it does not combine with "
+                             "--trace or --drift: pass one of them")
+        from lrmoe.workload.loads import counts_popularity
+        counts_popularity(args.counts, MODELS[args.model].num_experts, args.steps,
+                          args.layers or MODELS[args.model].moe_layers, args.counts_start,
+                          flag="--counts")
     if any(not m > 0 for m in args.pressure):
         raise ValueError(f"--pressure multipliers must be > 0, got {args.pressure}")
     e = MODELS[args.model].num_experts
@@ -417,7 +431,8 @@ def run_sim(args) -> dict:
     t0 = time.time()
     loads = cluster_loads(args.gpus, shape.num_experts, args.tokens_per_gpu, shape.top_k,
                             args.steps, layers, args.skew, args.trace, args.seed,
-                            drift=args.drift_fit)
+                            drift=args.drift_fit, counts=getattr(args, "counts", None),
+                            counts_start=getattr(args, "counts_start", 0))
     out: dict = dict(label=SIMULATED, note="every number here is simulated by lrmoe sim "
                      "(csrc/sim) from a cost model, not measured", paper=PAPER,
                      setup=dict(model=args.model, gpus=args.gpus, steps=args.steps,
@@ -434,7 +449,9 @@ def run_sim(args) -> dict:
                                 replan_threshold=args.replan_threshold,
                                 gpus_per_node=args.planner_gpus_per_node,
                                 drift=None if args.drift_fit is None else
-                                dict(zip(("phi", "sigma", "jitter"), args.drift_fit))),
+                                dict(zip(("phi", "sigma", "jitter"), args.drift_fit)),
+                                counts=getattr(args, "counts", None),
+                                counts_start=getattr(args, "counts_start", 0)),
                      costs=dict(file=args.costs, shape=costs.shape, meta=costs.meta),
                      links=dict(name=links.name, sources=links.sources,
                                 per_peer_us=links.per_peer_us, chunks=links.chunks,
@@ -516,7 +533,9 @@ def pressure(args, shape, costs, links, layers) -> dict:
     few = min(layers, 4)
     loads = cluster_loads(args.gpus, shape.num_experts, args.pressure_tokens_per_gpu,
                             shape.top_k, args.pressure_steps, few, args.skew, args.trace,
-                            args.seed + 1, drift=getattr(args, "drift_fit", None))
+                            args.seed + 1, drift=getattr(args, "drift_fit", None),
+                            counts=getattr(args, "counts", None),
+                            counts_start=getattr(args, "counts_start", 0))
     act = _activations(args, shape)
     mem = _memory(shape, args, args.offload or getattr(args, "activations", "") == "offload")
     out: dict = {"multipliers": list(args.pressure), "base_tokens_per_gpu":
@@ -588,7 +607,9 @@ def scale(args, shape, costs, links, layers) -> dict:
         loads = np.stack([cluster_loads(ep, shape.num_experts, args.tokens_per_gpu,
                                         shape.top_k, steps, few, args.skew, args.trace,
                                         args.seed + 2, group=g,
-                                        drift=getattr(args, "drift_fit", None))
+                                        drift=getattr(args, "drift_fit", None),
+                                        counts=getattr(args, "counts", None),
+                                        counts_start=getattr(args, "counts_start", 0))
                           for g in range(groups)],
                          axis=1)
         model = S.step_model(shape, groups, args.hbm_gbps, args.dense_params, layers)

@@ -189,8 +189,13 @@ def drift_popularity(num_experts: int, steps: int, max_over_mean: float, phi: fl
 def cluster_loads(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k: int,
                   steps: int, layers: int, max_over_mean: float = 2.0,
                   trace: Optional[str] = None, seed: int = 0, group: int = 0,
-                  drift: Optional[Tuple[float, ...]] = None) -> np.ndarray:
+                  drift: Optional[Tuple[float, ...]] = None, counts=None,
+                  counts_start: int = 0) -> np.ndarray:
     """(S, Lyr, W, E) int64 routed pairs for a cluster.
+
+    ``counts`` (a counts .npz path or (S_rec, L_rec, E_rec) int array): replay recorded
+    popularity, :func:`counts_loads` from recorded step ``counts_start`` (not with
+    ``trace`` or ``drift``; ``max_over_mean`` is unused: the recording has its own skew).
 
     ``group`` numbers one expert-parallel group of a larger cluster (its data-parallel
     copies route other tokens through the same model): it changes the draws, never a
@@ -222,6 +227,12 @@ def cluster_loads(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k:
         raise ValueError("num_ranks, num_experts, tokens_per_rank, steps and layers must be "
                          f">= 1; got {num_ranks}, {num_experts}, {tokens_per_rank}, {steps}, "
                          f"{layers}")
+    if counts is not None:
+        if trace is not None or drift is not None:
+            raise ValueError("counts replays recorded popularity; pass one of counts, trace "
+                             "and drift")
+        return counts_loads(counts, num_ranks, num_experts, tokens_per_rank, top_k, steps,
+                            layers, counts_start, seed, group)
     out = np.zeros((steps, layers, num_ranks, num_experts), dtype=np.int64)
     if drift is not None and trace is not None:
         raise ValueError("drift is for synthetic loads; a trace replays its recorded steps "
@@ -264,4 +275,76 @@ def cluster_loads(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k:
             pick = ids[rng.integers(0, ids.shape[0], size=n)]
             for w, block in enumerate(pick.reshape(num_ranks, tokens_per_rank, -1)):
                 out[s, l, w] = np.bincount(block.reshape(-1), minlength=num_experts)
+    return out
+
+
+def counts_popularity(counts, num_experts: int, steps: int, layers: int,
+                      start: int = 0, flag: str = "counts") -> np.ndarray:
+    """(S, Lyr, E) float64 popularity replayed from recorded routed counts (issue 30).
+
+    ``counts`` is a counts .npz (``count_SLE``, experiments/trace_drift.py --counts) or an
+    int (S_rec, L_rec, E_rec) array. Simulated step s takes recorded step ``start + s``
+    (no wrap-around: wrapping would insert a jump that training never made), layer l
+    recorded layer ``l mod L_rec``; each row is the counts over their sum. When
+    E = r x E_rec, recorded expert e becomes experts r e .. r e + r - 1, each with p_e / r
+    (contiguous, so under fixed ownership e / (E / W) every rank carries the recorded
+    model's rank loads at EP W); any other E is refused.
+
+    Raises:
+        ValueError: a file that is not a counts npz, wrong shapes or negative counts, a
+            (step, layer) with no pairs, an out-of-range window, or an E that is not a
+            multiple of E_rec (each naming ``flag``).
+        FileNotFoundError: no file at ``counts``.
+    """
+    if isinstance(counts, (str, os.PathLike)):
+        if not os.path.isfile(counts):
+            raise FileNotFoundError(f"{flag} {counts}: no such file")
+        try:
+            with np.load(counts) as d:
+                c = np.asarray(d["count_SLE"])
+        except (KeyError, ValueError, OSError) as err:
+            raise ValueError(f"{flag} {counts}: not a counts .npz with count_SLE (write one "
+                             f"with experiments/trace_drift.py --counts): {err}") from None
+    else:
+        c = np.asarray(counts)
+    if c.ndim != 3 or min(c.shape) < 1 or not np.issubdtype(c.dtype, np.integer):
+        raise ValueError(f"{flag}: need integer counts of shape (steps, layers, experts), got "
+                         f"{c.dtype} {c.shape}")
+    c = c.astype(np.int64)
+    if (c < 0).any():
+        raise ValueError(f"{flag}: counts must be >= 0")
+    S_rec, L_rec, E_rec = c.shape
+    if num_experts % E_rec:
+        raise ValueError(f"{flag}: the recording has {E_rec} experts and the simulated model "
+                         f"{num_experts}; E must be a multiple of {E_rec} (each recorded "
+                         "expert is split evenly), or record a model with that E")
+    if not (0 <= start and start + steps <= S_rec):
+        raise ValueError(f"{flag}: steps {start}..{start + steps - 1} are outside the "
+                         f"{S_rec} recorded steps; pick a start in [0, {S_rec - steps}] or "
+                         "fewer --steps")
+    w = c[start:start + steps][:, np.arange(layers) % L_rec].astype(np.float64)
+    tot = w.sum(axis=2, keepdims=True)
+    if (tot == 0).any():
+        raise ValueError(f"{flag}: a recorded (step, layer) has no routed pairs")
+    r = num_experts // E_rec
+    return np.repeat(w / tot / r, r, axis=2)
+
+
+def counts_loads(counts, num_ranks: int, num_experts: int, tokens_per_rank: int,
+                 top_k: int, steps: int, layers: int, start: int = 0, seed: int = 0,
+                 group: int = 0, flag: str = "counts") -> np.ndarray:
+    """(S, Lyr, W, E) int64 routed pairs drawn from recorded popularity
+    (:func:`counts_popularity`): each source rank draws ``tokens_per_rank x top_k`` pairs,
+    multinomial, seeded per (step, layer, group) as the synthetic path, so DP groups see
+    the same popularity through other draws.
+
+    Raises:
+        ValueError / FileNotFoundError: what :func:`counts_popularity` raises.
+    """
+    p = counts_popularity(counts, num_experts, steps, layers, start, flag)
+    out = np.empty((steps, layers, num_ranks, num_experts), dtype=np.int64)
+    for s in range(steps):
+        for l in range(layers):
+            rng = np.random.default_rng([seed + 7919 * s + l + 1_000_003 * group, 1])
+            out[s, l] = rng.multinomial(tokens_per_rank * top_k, p[s, l], size=num_ranks)
     return out
