@@ -99,3 +99,17 @@ def test_sim_json_is_strict_when_a_plan_does_not_fit(tmp_path):
     data = strict_load(tmp_path / "sim.json")
     assert data["policies"]["fixed"]["feasible"] < 1
     assert data["policies"]["fixed"]["moe_ms_per_step"] is None
+
+
+def test_sim_drift_replays_the_committed_counts_and_refuses_a_window_past_them(tmp_path):
+    # the recipe's counts:N choice end to end on the committed recording (1,200 steps)
+    import sim_drift
+
+    sim_drift.main(["--seeds", "0", "--drift", "counts:600", "--steps", "2", "--layers", "2",
+                    "--costs", COSTS, "--out", str(tmp_path)])
+    table = strict_load(tmp_path / "sim_drift.json")["table"]
+    (key,) = table
+    assert "600" in key and table[key]["lrmoe"]["mean"] > 0
+    with pytest.raises((ValueError, SystemExit)):
+        sim_drift.main(["--seeds", "0", "--drift", "counts:1199", "--steps", "2",
+                        "--layers", "2", "--costs", COSTS, "--out", str(tmp_path / "late")])
