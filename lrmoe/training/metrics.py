@@ -96,13 +96,23 @@ def mean(values: Sequence[Optional[float]]) -> Optional[float]:
 
 def diagnostics_means(model: nn.Module) -> Dict[str, Optional[float]]:
     """The LRMoE diagnostics of the last step (:data:`DIAGNOSTIC_KEYS`) over the MoE
-    layers: ``lrmoe.integrations.transformers.summarize_diagnostics`` (the dropped
-    fraction pooled over the layers' pairs -- its one definition,
-    ``lrmoe.moe.stats.dropped_fraction`` --, the other keys means over the layers); with
-    offload also the summed bytes of :func:`offload_bytes`."""
-    from lrmoe.integrations.transformers import collect_diagnostics, summarize_diagnostics
+    layers: :func:`diagnostics_means_of` of
+    ``lrmoe.integrations.transformers.collect_diagnostics(model)`` (synchronises with the
+    device)."""
+    from lrmoe.integrations.transformers import collect_diagnostics
 
-    diagnostics = collect_diagnostics(model)
+    return diagnostics_means_of(collect_diagnostics(model))
+
+
+def diagnostics_means_of(diagnostics: Mapping[str, Mapping[str, Any]]
+                         ) -> Dict[str, Optional[float]]:
+    """:data:`DIAGNOSTIC_KEYS` of per-layer diagnostics (``{layer name: dict}`` as
+    ``collect_diagnostics`` returns): ``lrmoe.integrations.transformers.
+    summarize_diagnostics`` (the dropped fraction pooled over the layers' pairs -- its one
+    definition, ``lrmoe.moe.stats.dropped_fraction`` --, the other keys means over the
+    layers); with offload also the summed bytes of :func:`offload_bytes`."""
+    from lrmoe.integrations.transformers import summarize_diagnostics
+
     summary = summarize_diagnostics(diagnostics)
     out = {k: summary.get(k) for k in DIAGNOSTIC_KEYS}
     out.update(offload_bytes(diagnostics))

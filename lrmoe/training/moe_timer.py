@@ -6,7 +6,8 @@ transformers.moe_layers``): a forward pre-hook and a forward hook bracket its fo
 full backward pre-hook and a full backward hook bracket its backward (from the gradient at
 its output to the gradients at its inputs: router, experts and shared expert). On CUDA
 each bracket is a pair of ``torch.cuda.Event`` s on the current stream (no sync while the
-step runs; :meth:`MoELayerTimer.step_ms` waits for the last one); on the CPU it is
+step runs; :meth:`MoELayerTimer.step_ms` waits for the last one, and the trainer
+reads them a step later through :meth:`MoELayerTimer.take`); on the CPU it is
 ``time.perf_counter`` (the CPU ops are synchronous). Only brackets opened while the timer
 is :meth:`~MoELayerTimer.armed` count, so evaluation forwards do not.
 
@@ -86,12 +87,23 @@ class MoELayerTimer:
             self._armed = False
 
     def step_ms(self) -> dict:
-        """The step's totals in milliseconds (waits for the last CUDA event) and resets.
+        """The step's totals in milliseconds (waits for the last CUDA event) and resets:
+        :meth:`spans_ms` of :meth:`take`.
 
         Returns:
             ``{"moe_time_ms", "moe_forward_ms", "moe_backward_ms"}`` (floats).
         """
+        return self.spans_ms(self.take())
+
+    def take(self) -> list:
+        """The step's spans, without reading them (no sync), and a reset: the loop reads
+        them a step later (:mod:`lrmoe.training.readout`)."""
         spans, self._spans, self._open = self._spans, [], {}
+        return spans
+
+    def spans_ms(self, spans: list) -> dict:
+        """Totals of spans from :meth:`take` in milliseconds (waits for the last CUDA
+        event): ``{"moe_time_ms", "moe_forward_ms", "moe_backward_ms"}``."""
         if spans and self.clock.cuda:
             spans[-1][2].synchronize()
         fwd = sum(self.clock.ms(a, b) for k, a, b in spans if k == "forward")

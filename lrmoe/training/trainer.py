@@ -51,10 +51,11 @@ from lrmoe.training.distributed import log
 from lrmoe.training.export import EXPORT_DIR, export_checkpoint
 from lrmoe.training.loss import autocast, causal_lm_nll, evaluate, lm_forward
 from lrmoe.training.metrics import (CURVE_FILE, METRICS_FILE, SUMMARY_FILE, TENSORBOARD_DIR,
-                                    MetricsLog, Progress, diagnostics_means, mean,
+                                    MetricsLog, Progress, diagnostics_means_of, mean,
                                     print_summary, read_metrics, write_loss_curve)
 from lrmoe.training.moe_timer import make_timer
 from lrmoe.training.optim import build_optimizer, clip_in_step
+from lrmoe.training.readout import PendingStep, StepReadout, snapshot_diagnostics
 from lrmoe.training.run_lock import RunLock
 from lrmoe.training.stop import StopSignals, stop_with_launcher
 
@@ -196,6 +197,7 @@ class Trainer:
         # the planner's resident bytes (unless given): measured once, the same on every rank
         self.placement.set_up(cfg.parallel, self.device, self.group)
         self.moe_timer = make_timer(cfg.run.time_moe, self.model, self.device)
+        self.readout = StepReadout(self.device, self.moe_timer, diagnostics_means_of)
         self.aux_coef = float(getattr(self.model.config, "router_aux_loss_coef", 0.0) or 0.0)
         self.optimizer, self.scheduler = build_optimizer(cfg.optim, self.model, self.device,
                                                          self.decay_steps)
@@ -342,9 +344,11 @@ class Trainer:
         return self._stop_all if self.group is not None else self.stop_requested
 
     # ------------------------------------------------------------------ the loop
-    def _train_step(self) -> Dict[str, Any]:
+    def _train_step(self, log_step: bool) -> PendingStep:
+        """Queue one optimizer step; its numbers are read a step later
+        (:mod:`lrmoe.training.readout`). ``log_step``: stage the MoE diagnostics too."""
         cfg = self.cfg
-        t0 = time.perf_counter()
+        start = self.readout.clock.event()
         micro, tokens = micro_batches(self.stream, cfg.data.grad_accum)
         num_loss = sum(b.num_loss_tokens() for b in micro)
         denom = max(num_loss, 1)
@@ -388,19 +392,34 @@ class Trainer:
         self.step += 1
         if self.trace is not None:
             self.trace.step = self.step
-        lm_loss = float(nll_total) / denom
-        if not math.isfinite(lm_loss):
-            raise FloatingPointError(f"step {self.step}: the loss is {lm_loss}; lower optim.lr "
-                                     f"(now {cfg.optim.lr}) or raise optim.warmup_steps")
         self.tokens_seen += tokens
-        dt = time.perf_counter() - t0
-        moe_ms = self.moe_timer.step_ms() if self.moe_timer else {}
-        return {"kind": "train", "step": self.step, "loss": lm_loss, **moe_ms,
-                "ppl": math.exp(min(lm_loss, 700.0)),
-                "aux_loss": None if aux_total is None else float(aux_total) / cfg.data.grad_accum,
-                "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens,
-                "loss_tokens": num_loss, "tokens_per_s": tokens / dt if dt > 0 else None,
-                "time_s": dt}
+        diagnostics, extra = None, None
+        if log_step:
+            from lrmoe.integrations.transformers import collect_diagnostics
+
+            # replica placement's statistics are read now (snapshot_diagnostics: None)
+            diagnostics = snapshot_diagnostics(self.model) or collect_diagnostics(self.model)
+            extra = self.placement.metrics()
+        record = {"kind": "train", "step": self.step, "lr": lr, "tokens": tokens,
+                  "loss_tokens": num_loss}
+        return self.readout.stage(start, record, nll_total, aux_total, grad_norm, denom,
+                                  cfg.data.grad_accum, diagnostics, extra)
+
+    def _log_step(self, step: int) -> bool:
+        return step % self.cfg.run.log_every == 0 or step == self.cfg.run.steps
+
+    def _finished(self, record: Optional[Dict[str, Any]], progress: Progress) -> None:
+        """A step's record, read a step late: checked, logged, shown."""
+        if record is None:
+            return
+        if not math.isfinite(record["loss"]):
+            raise FloatingPointError(
+                f"step {record['step']}: the loss is {record['loss']}; lower optim.lr (now "
+                f"{self.cfg.optim.lr}) or raise optim.warmup_steps")
+        if self._log_step(record["step"]):
+            self._records.append(record)
+            self.metrics.write(record)
+        progress.update(record["step"], self.cfg.run.steps, record)
 
     def _evaluate(self, progress: Optional[Progress]) -> Dict[str, Any]:
         cfg = self.cfg
@@ -470,21 +489,33 @@ class Trainer:
                 f"({'bf16 autocast' if self.autocast_dtype else 'float32'}); LRMoE "
                 f"c={s.recalibration_rate:g} metric={s.metric} quota={s.quota_rule} "
                 f"selection={s.selection}; Ctrl-C or SIGTERM saves and stops")
-            while self.step < steps and not self._stop_agreed():
-                record = self._train_step()
-                if self.step % cfg.run.log_every == 0 or self.step == steps:
-                    record.update(diagnostics_means(self.model))
-                    record.update(self.placement.metrics())
-                    self._records.append(record)
-                    self.metrics.write(record)
-                progress.update(self.step, steps, record)
-                if cfg.run.eval_every and self.step % cfg.run.eval_every == 0:
-                    self._evaluate(progress)
-                if self.step_callback is not None:
-                    self.step_callback(self, self.step)
-                if cfg.run.checkpoints and cfg.run.save_every and \
-                        self.step % cfg.run.save_every == 0:
-                    self.save_checkpoint()
+            try:
+                while self.step < steps and not self._stop_agreed():
+                    # step N's numbers are read after step N + 1 is queued (readout.py)
+                    pending = self._train_step(self._log_step(self.step + 1))
+                    self._finished(self.readout.push(pending), progress)
+                    evaluate_now = cfg.run.eval_every and self.step % cfg.run.eval_every == 0
+                    save_now = cfg.run.checkpoints and cfg.run.save_every and \
+                        self.step % cfg.run.save_every == 0
+                    if evaluate_now or save_now:  # a non-finite loss is never saved
+                        self._finished(self.readout.flush(gap=True), progress)
+                    if evaluate_now:
+                        self._evaluate(progress)
+                    if self.step_callback is not None:
+                        self.step_callback(self, self.step)
+                    if save_now:
+                        self.save_checkpoint()
+                self._finished(self.readout.flush(), progress)
+            except BaseException as err:
+                # the last queued step's record is kept where it can still be read; its
+                # non-finite loss, if any, is the earlier cause (a router then sees NaN)
+                try:
+                    self._finished(self.readout.flush(), progress)
+                except FloatingPointError as nan:
+                    raise nan from err
+                except Exception:
+                    pass
+                raise
             interrupted = self.stop_requested and self.step < steps
             if cfg.run.checkpoints and self._last_saved_step != self.step:
                 self.save_checkpoint()
