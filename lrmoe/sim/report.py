@@ -485,6 +485,10 @@ def run_sim(args) -> dict:
     for pol in args.policies:
         res = _run(args, shape, costs, links, pol, loads)
         summ = S.summarize(res, layers)
+        # the joint plan's replica cost it ran with (derived unless --replica-cost-rows)
+        summ["replica_cost_rows"] = planner_options(
+            args, pol, loads.shape[2], _kappa(args, shape, costs, links, pol, loads)
+        )["replica_cost_rows"]
         # a layer whose plan does not fit runs as more, smaller micro-batches (its time
         # is k x one micro-batch's; 'none fits' stays NaN): the time Table 1 charges
         summ["moe_ms_per_step_microbatched"] = summ["moe_ms_per_step"]
