@@ -162,6 +162,13 @@ void bind_sim(py::module_ m) {
              "saved bytes per forward row moved to the host")
       .field("per_rank_bytes", &SimConfig::per_rank_bytes, "fill LayerResult.sent_bytes_5W")
       .field("top_k", &SimConfig::top_k, "experts per token for the all-to-all dedup (1: none)")
+      .field("replan_threshold", &SimConfig::replan_threshold,
+             "hysteresis across steps in simulate_trace / simulate_cluster / "
+             "simulate_pressure_trace: < 0 off, else in [0, 1) (sim/sim.h)")
+      .field("resident_replicas", &SimConfig::resident_replicas,
+             "replicas keep their slot between steps: moved ones fetch their weights in the "
+             "layer (move_ms), all are refreshed after the optimizer step (broadcast_ms); "
+             "False: weights stream per layer (sim/sim.h)")
       .field("activations", &SimConfig::activations,
              "ActivationModel of batch pressure (mode layer: none)")
       .done();
@@ -206,7 +213,15 @@ void bind_sim(py::module_ m) {
       .field("owned_experts_max", &LayerResult::owned_experts_max,
              "the most experts a rank owns (first copies; step terms)")
       .field("broadcast_ms", &LayerResult::broadcast_ms,
-             "symi's weight broadcast of this layer's copies, once per step (0: other policies)")
+             "the weight broadcast of this layer's copies after the optimizer step: symi's, or "
+             "every replica's under resident_replicas (0 otherwise)")
+      .field("kept_previous", &LayerResult::kept_previous,
+             "hysteresis kept the layer's previous-step placement")
+      .field("moved_replicas", &LayerResult::moved_replicas,
+             "replicas absent from the previous-step placement (0 when it is not known)")
+      .field("move_ms", &LayerResult::move_ms,
+             "resident_replicas: the moved replicas' weight fetch, ms in fwd_ms")
+      .field("move_bytes", &LayerResult::move_bytes, "its bytes over links (in replica_bytes)")
       .done();
 
   Struct<PressureResult>(m, "PressureResult", "Batch pressure of one layer (sim/sim.h).")
@@ -264,6 +279,49 @@ void bind_sim(py::module_ m) {
       "ints for input's W, E (input.load_WE is not read); previous_LWE: (Lyr, W, E), the "
       "step before (symi's popularity for the first step). Raises ValueError naming the "
       "bad argument or field.");
+
+  m.def(
+      "simulate_pressure_trace",
+      [](const std::string& policy, const planner::PlanInput& input, py::handle loads_SLWE,
+         double multiplier, int32_t max_micro_batches, const SimConfig& config,
+         int32_t threads) {
+        check_slots(input);
+        std::vector<int64_t> lead;
+        const std::vector<int64_t> loads = cluster_loads(
+            loads_SLWE, "loads_SLWE", "(steps, layers, ", 2, input, &lead);
+        const planner::PlanInput base = input;
+        const SimConfig cfg = config;
+        std::vector<sim::PressureResult> out;
+        {
+          py::gil_scoped_release nogil;
+          out = sim::simulate_pressure_trace(policy, base, loads, lead[0], lead[1], multiplier,
+                                             max_micro_batches, cfg, threads);
+        }
+        py::list results;
+        for (auto& r : out) results.append(py::cast(std::move(r)));
+        return results;
+      },
+      py::arg("policy"), py::arg("input"), py::arg("loads_SLWE"), py::arg("multiplier"),
+      py::arg("max_micro_batches"), py::arg("config"), py::arg("threads") = 1,
+      "simulate_pressure_trace(policy, input, loads_SLWE, multiplier, max_micro_batches, "
+      "config, threads=1) -> list of S x Lyr PressureResult in (step, layer) order; with "
+      "config.replan_threshold >= 0 each layer's steps in order, hysteresis against the "
+      "previous step's plan (sim/sim.h).\n\nRaises ValueError naming the bad argument.");
+
+  m.def(
+      "derived_replica_cost_rows",
+      [](const SimConfig& config, int64_t weight_bytes, double experts_per_rank,
+         double rows_per_expert) {
+        return sim::derived_replica_cost_rows(config, weight_bytes, experts_per_rank,
+                                              rows_per_expert);
+      },
+      py::arg("config"), py::arg("weight_bytes"), py::arg("experts_per_rank"),
+      py::arg("rows_per_expert"),
+      "derived_replica_cost_rows(config, weight_bytes, experts_per_rank, rows_per_expert) -> "
+      "int kappa = round(t_w / t_row): one replica's weight transfer over NVLink, "
+      "weight_bytes / intra_GBps + intra latency, over one row of expert compute, the "
+      "calibrated forward and backward GEMM at (k, k x rows) averaged per row (sim/sim.h)."
+      "\n\nRaises ValueError for weight_bytes < 0 or a size <= 0.");
 
   Struct<sim::ClusterLayer>(m, "ClusterLayer", "One (step, layer) of a cluster (sim/cluster.h).")
       .field("feasible", &sim::ClusterLayer::feasible, "every group's plan fits")

@@ -1,12 +1,17 @@
 // Batch pressure (sim.h simulate_pressure): the loads multiplied by m, split into
 // micro-batches until one fits, with the whole model's activations of activations.h
 // added to the resident (docs/simulation.md, "Batch pressure").
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #include "planner/common.h"
+#include "planner/plan.h"
 #include "sim/activations.h"
 #include "sim/sim.h"
 
@@ -36,10 +41,13 @@ LayerResult activations_do_not_fit(const planner::PlanInput& in, int64_t act) {
   return r;
 }
 
-}  // namespace
-
-PressureResult simulate_pressure(const std::string& policy, const planner::PlanInput& base,
-                                 double multiplier, int32_t max_micro, const SimConfig& cfg) {
+// simulate_pressure of in.load_WE with the GEMM table cached per thread, moves counted
+// against prev_off / prev_rank (time_plan; null: none) and the plan of the reported
+// micro-batch (the one that fits, else k = 1's) stored in *plan_out when non-null.
+PressureResult pressure_cell(const std::string& policy, const planner::PlanInput& base,
+                             double multiplier, int32_t max_micro, const SimConfig& cfg,
+                             std::optional<GemmTable>* gemm, const std::vector<int32_t>* prev_off,
+                             const std::vector<int32_t>* prev_rank, planner::Plan* plan_out) {
   if (!(multiplier > 0)) throw std::invalid_argument("batch multiplier must be > 0");
   if (max_micro < 1) throw std::invalid_argument("max_micro_batches must be >= 1");
   validate_activations(cfg.activations);
@@ -57,15 +65,19 @@ PressureResult simulate_pressure(const std::string& policy, const planner::PlanI
                              tokens_per_gpu(in.load_WE, in.num_ranks, in.num_experts,
                                             cfg.activations.top_k)).total();
     LayerResult r;
+    planner::Plan plan;
     if (act > free_bytes) {
       r = activations_do_not_fit(in, act);
     } else {
       in.memory.resident_bytes = base.memory.resident_bytes + act;
-      r = simulate_layer(policy, in, cfg);
+      // make_plan: hysteresis when `in` carries a previous placement
+      plan = planner::make_plan(policy, in);
+      r = detail::time_plan(plan, in, cfg, gemm, prev_off, prev_rank);
     }
     if (k == 1 || r.feasible) {
       pr.layer = r;
       pr.activation_bytes = act;
+      if (plan_out) *plan_out = std::move(plan);
     }
     if (r.feasible) {
       pr.micro_batches = k;
@@ -77,6 +89,96 @@ PressureResult simulate_pressure(const std::string& policy, const planner::PlanI
   pr.time_ms = kNaN;
   pr.recompute_ms = kNaN;
   return pr;
+}
+
+}  // namespace
+
+PressureResult simulate_pressure(const std::string& policy, const planner::PlanInput& base,
+                                 double multiplier, int32_t max_micro, const SimConfig& cfg) {
+  std::optional<GemmTable> gemm;
+  const bool prev = !base.previous_instance_offsets.empty();
+  return pressure_cell(policy, base, multiplier, max_micro, cfg, &gemm,
+                       prev ? &base.previous_instance_offsets : nullptr,
+                       prev ? &base.previous_instance_rank : nullptr, nullptr);
+}
+
+std::vector<PressureResult> simulate_pressure_trace(const std::string& policy,
+                                                    const planner::PlanInput& base,
+                                                    const std::vector<int64_t>& loads_SLWE,
+                                                    int64_t steps, int64_t layers,
+                                                    double multiplier, int32_t max_micro,
+                                                    const SimConfig& cfg, int32_t threads) {
+  const size_t cell = static_cast<size_t>(base.num_ranks) * base.num_experts;
+  if (steps < 1 || layers < 1 || loads_SLWE.size() != static_cast<size_t>(steps * layers) * cell)
+    throw std::invalid_argument("loads must hold steps x layers x W x E entries");
+  if (threads < 1) throw std::invalid_argument("threads must be >= 1");
+  if (!(cfg.replan_threshold < 1.0))
+    throw std::invalid_argument("replan_threshold must be < 0 (hysteresis off) or in [0, 1), got " +
+                                std::to_string(cfg.replan_threshold));
+  const bool symi = planner::policy_kind(policy) == planner::PolicyKind::kSymi;
+  const bool hysteresis = cfg.replan_threshold >= 0.0;
+  if (hysteresis && symi)
+    throw std::invalid_argument("replan_threshold (hysteresis, --replan-threshold) applies to "
+                                "fixed, ultraep and lrmoe; symi re-places its slots every step "
+                                "by design: set it < 0 for symi");
+  // as simulate_trace: whole layers per thread when a layer's steps depend on each other
+  const bool chained = hysteresis || (cfg.resident_replicas && !symi);
+  const int64_t N = steps * layers, units = chained ? layers : N;
+  std::vector<PressureResult> out(static_cast<size_t>(N));
+  std::vector<std::string> errors(static_cast<size_t>(threads));
+  std::atomic<int64_t> next{0};
+  auto work = [&](int32_t t) {
+    planner::PlanInput in = base;
+    in.previous_instance_offsets.clear();
+    in.previous_instance_rank.clear();
+    in.previous_instance_rows.clear();
+    if (hysteresis) in.replan_threshold = cfg.replan_threshold;
+    std::optional<GemmTable> gemm;
+    std::vector<int32_t> prev_off, prev_rank;
+    planner::Plan plan;
+    try {
+      for (int64_t u = next++; u < units; u = next++) {
+        prev_off.clear();
+        prev_rank.clear();
+        in.previous_instance_offsets.clear();
+        in.previous_instance_rank.clear();
+        in.previous_instance_rows.clear();
+        for (int64_t s = 0; s < (chained ? steps : 1); ++s) {
+          const int64_t j = chained ? s * layers + u : u;
+          const int64_t* now = loads_SLWE.data() + static_cast<size_t>(j) * cell;
+          in.load_WE.assign(now, now + cell);
+          plan = planner::Plan();
+          out[static_cast<size_t>(j)] =
+              pressure_cell(policy, in, multiplier, max_micro, cfg, &gemm,
+                            chained ? &prev_off : nullptr, chained ? &prev_rank : nullptr,
+                            chained ? &plan : nullptr);
+          if (!chained || plan.instance_offsets.empty()) continue;  // no plan: keep the last
+          prev_off = plan.instance_offsets;
+          prev_rank = plan.instance_rank;
+          if (hysteresis) {
+            const size_t W = static_cast<size_t>(plan.num_ranks);
+            in.previous_instance_offsets = plan.instance_offsets;
+            in.previous_instance_rank = plan.instance_rank;
+            in.previous_instance_rows.assign(plan.instance_rank.size(), 0);
+            for (size_t i = 0; i < plan.instance_rank.size(); ++i)
+              for (size_t q = 0; q < W; ++q) in.previous_instance_rows[i] += plan.forward_IW[i * W + q];
+          }
+        }
+      }
+    } catch (const std::exception& e) {
+      errors[static_cast<size_t>(t)] = e.what();
+    }
+  };
+  if (threads == 1) {
+    work(0);
+  } else {
+    std::vector<std::thread> pool;
+    for (int32_t t = 0; t < threads; ++t) pool.emplace_back(work, t);
+    for (auto& th : pool) th.join();
+  }
+  for (const auto& e : errors)
+    if (!e.empty()) throw std::invalid_argument(e);
+  return out;
 }
 
 }  // namespace sim

@@ -8,14 +8,12 @@
 #include "sim/a2a.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <limits>
 #include <map>
 #include <optional>
 #include <stdexcept>
 #include <string>
-#include <thread>
 
 namespace lrmoe {
 namespace sim {
@@ -193,11 +191,38 @@ double pipelined_ms(double out1, double compute1, double back1, int32_t n) {
   return out1 + compute1 + back1 + (n - 1) * std::max(out1 + back1, compute1);
 }
 
+}  // namespace
+
+namespace detail {
+
 LayerResult time_plan(const planner::Plan& plan, const planner::PlanInput& in,
-                      const SimConfig& cfg, std::optional<GemmTable>* gemm_cache) {
+                      const SimConfig& cfg, std::optional<GemmTable>* gemm_cache,
+                      const std::vector<int32_t>* prev_offsets,
+                      const std::vector<int32_t>* prev_rank) {
   const int32_t W = plan.num_ranks, E = plan.num_experts;
   const size_t Wz = static_cast<size_t>(W);
   LayerResult res;
+  res.kept_previous = plan.kept_previous;
+  // (expert, rank) cells of the previous placement: a replica of this plan outside them
+  // was placed anew (hysteresis.cpp with_hysteresis counts the same way)
+  // (an empty previous placement: the layer's first step, every replica placed anew)
+  const bool known_prev = prev_offsets && prev_rank;
+  thread_local std::vector<uint8_t> had_EW;
+  had_EW.assign(known_prev ? static_cast<size_t>(E) * Wz : 0, 0);
+  if (known_prev && !prev_offsets->empty()) {
+    if (prev_offsets->size() != static_cast<size_t>(E) + 1 ||
+        prev_rank->size() != static_cast<size_t>(prev_offsets->back()))
+      throw std::invalid_argument("simulate: the previous placement must have E + 1 offsets "
+                                  "and one rank per instance (a Plan's instance_offsets, "
+                                  "instance_rank)");
+    for (int32_t e = 0; e < E; ++e)
+      for (int32_t i = (*prev_offsets)[e]; i < (*prev_offsets)[e + 1]; ++i) {
+        const int32_t r = (*prev_rank)[i];
+        if (r < 0 || r >= W) throw std::invalid_argument("simulate: a previous instance's rank "
+                                                         "is outside [0, W)");
+        had_EW[static_cast<size_t>(e) * Wz + r] = 1;
+      }
+  }
   res.feasible = plan.feasible;
   res.binding = plan.binding;
   res.reason = plan.reason;
@@ -279,12 +304,14 @@ LayerResult time_plan(const planner::Plan& plan, const planner::PlanInput& in,
   // layer; dense W x W matrices cost two clears and two scans each)
   thread_local std::vector<int64_t> Mf_t, Mb_t;
   thread_local std::vector<uint8_t> filled_W;  // rank rows of Mf_t / Mb_t written so far
-  thread_local std::vector<PairCell> rep_f, rep_b;
+  thread_local std::vector<PairCell> rep_f, rep_b, rep_mv, rep_cast;
   Mf_t.resize(Wz * Wz);
   Mb_t.resize(Wz * Wz);
   filled_W.assign(Wz, 0);
   rep_f.clear();
   rep_b.clear();
+  rep_mv.clear();
+  rep_cast.clear();
   // replica weights stream per layer (ultraep, lrmoe); symi places its copies with the
   // weight update of the step before, off the layer's critical path
   const bool stream = plan.policy != planner::PolicyKind::kSymi;
@@ -321,7 +348,18 @@ LayerResult time_plan(const planner::Plan& plan, const planner::PlanInput& in,
       if (b > 0) rows_b_W[r].push_back(static_cast<double>(b));
       recv_f_W[r] += f;
       recv_b_W[r] += b;
-      if (i != plan.instance_offsets[e] && stream) {
+      const bool replica = i != plan.instance_offsets[e];
+      const bool moved = replica && stream &&
+                         (!known_prev || !had_EW[static_cast<size_t>(e) * Wz + r]);
+      if (moved && known_prev) res.moved_replicas += 1;
+      if (replica && stream && cfg.resident_replicas) {
+        // the slot is the replica's own from step to step: a replica placed anew fetches
+        // its weights (rep_mv), every replica's weights are refreshed after the optimizer
+        // step (rep_cast, as symi's copies), its gradient is reduced back into the owner's
+        if (moved) rep_mv.push_back({owner, r, in.memory.expert_weight_bytes});
+        rep_cast.push_back({owner, r, in.memory.expert_weight_bytes});
+        rep_b.push_back({r, owner, in.memory.expert_grad_bytes});
+      } else if (replica && stream) {
         // weights to the replica for the forward, again for the backward (the slot is
         // reused across layers), its gradient reduced back into the owner's
         rep_f.push_back({owner, r, in.memory.expert_weight_bytes});
@@ -406,10 +444,32 @@ LayerResult time_plan(const planner::Plan& plan, const planner::PlanInput& in,
   double rep_f_bytes = 0, rep_b_bytes = 0, t_rep_f = 0, t_rep_b = 0;
   if (stream && res.replicas > 0) {
     thread_local TokenDispatch Dr;
-    sorted_cells(&rep_f);
-    expected_dispatch_sparse(rep_f, W, 1, G, &Dr);
-    t_rep_f = hierarchical_a2a_ms(Dr, 1.0, cfg.link);
-    rep_f_bytes = link_bytes(Dr, 1.0);
+    if (!rep_f.empty()) {
+      sorted_cells(&rep_f);
+      expected_dispatch_sparse(rep_f, W, 1, G, &Dr);
+      t_rep_f = hierarchical_a2a_ms(Dr, 1.0, cfg.link);
+      rep_f_bytes = link_bytes(Dr, 1.0);
+    }
+    if (!rep_mv.empty()) {
+      // Where the fetch of a moved replica goes: in the forward, before the expert GEMMs,
+      // in full. Which replicas are new is known only once the plan is made from the
+      // all-gathered counts, after the router (planner/plan.h: every rank computes the
+      // same plan from the same counts), and from then to the GEMMs the links carry the
+      // dispatch all-to-all (dispatch_ms above): the fetch shares those links, so it is
+      // not hidden behind the dispatch (the per-layer stream below is, a bound in its
+      // favour). Its GEMM waits for it.
+      sorted_cells(&rep_mv);
+      expected_dispatch_sparse(rep_mv, W, 1, G, &Dr);
+      res.move_ms = hierarchical_a2a_ms(Dr, 1.0, cfg.link);
+      res.move_bytes = link_bytes(Dr, 1.0);
+    }
+    if (!rep_cast.empty()) {
+      // resident replicas: every replica's weights after the optimizer step (step.h
+      // step_terms adds broadcast_ms to the step, as symi's)
+      sorted_cells(&rep_cast);
+      expected_dispatch_sparse(rep_cast, W, 1, G, &Dr);
+      res.broadcast_ms = hierarchical_a2a_ms(Dr, 1.0, cfg.link);
+    }
     sorted_cells(&rep_b);
     expected_dispatch_sparse(rep_b, W, 1, G, &Dr);
     t_rep_b = hierarchical_a2a_ms(Dr, 1.0, cfg.link);
@@ -423,8 +483,8 @@ LayerResult time_plan(const planner::Plan& plan, const planner::PlanInput& in,
     expected_dispatch_sparse(rep_f, W, 1, G, &Db_cast);
     res.broadcast_ms = hierarchical_a2a_ms(Db_cast, 1.0, cfg.link);
   }
-  res.replica_bytes = rep_f_bytes + rep_b_bytes;
-  const bool any_rep = res.replica_bytes > 0;
+  res.replica_bytes = rep_f_bytes + rep_b_bytes + res.move_bytes;
+  const bool any_rep = rep_f_bytes + rep_b_bytes > 0;
   // replica weights stream while the sources route and dispatch; their backward copies
   // and gradient reduction while the expert backward runs: only the excess is exposed
   const double rep_f_exposed = any_rep ? std::max(0.0, t_rep_f - (res.src_fwd_ms + res.dispatch_ms)) : 0.0;
@@ -464,87 +524,42 @@ LayerResult time_plan(const planner::Plan& plan, const planner::PlanInput& in,
   const double off_f = std::max(0.0, d2h - res.expert_fwd_ms);
   const double off_b = std::max(0.0, h2d - bwd);
   res.offload_ms = off_f + off_b;
-  res.fwd_ms = fwd + rep_f_exposed + off_f;
+  res.fwd_ms = fwd + rep_f_exposed + res.move_ms + off_f;
   res.bwd_ms = bwd + rep_b_exposed + off_b;
   return res;
 }
 
-}  // namespace
+}  // namespace detail
 
 LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& in,
                           const SimConfig& cfg) {
   std::optional<GemmTable> gemm;
-  return time_plan(plan, in, cfg, &gemm);
+  const bool prev = !in.previous_instance_offsets.empty();
+  return detail::time_plan(plan, in, cfg, &gemm, prev ? &in.previous_instance_offsets : nullptr,
+                           prev ? &in.previous_instance_rank : nullptr);
+}
+
+int64_t derived_replica_cost_rows(const SimConfig& cfg, int64_t weight_bytes,
+                                  double experts_per_rank, double rows_per_expert) {
+  if (weight_bytes < 0)
+    throw std::invalid_argument("replica cost: weight_bytes must be >= 0 (one expert's "
+                                "weights, 3 x hidden x moe_intermediate x dtype bytes)");
+  if (!(experts_per_rank > 0) || !(rows_per_expert > 0))
+    throw std::invalid_argument("replica cost: experts_per_rank and rows_per_expert must be "
+                                "> 0 (E / W and the mean routed rows per expert)");
+  const double t_w = transfer_ms(static_cast<double>(weight_bytes), cfg.link.intra_GBps) +
+                     (weight_bytes > 0 ? cfg.link.intra_latency_us * 1e-3 : 0.0);
+  const GemmTable gemm(cfg.cost.gemm, cfg.cost.roofline);
+  const double k = experts_per_rank, rows = k * rows_per_expert;
+  const double t_row = (gemm.ms(k, rows, false) + gemm.ms(k, rows, true)) / (2.0 * rows);
+  if (!(t_row > 0)) return 0;
+  return static_cast<int64_t>(std::llround(t_w / t_row));
 }
 
 LayerResult simulate_layer(const std::string& policy, const planner::PlanInput& input,
                            const SimConfig& cfg) {
   const planner::Plan plan = planner::make_plan(policy, input);
   return simulate_plan(plan, input, cfg);
-}
-
-std::vector<LayerResult> simulate_trace(const std::string& policy, const planner::PlanInput& base,
-                                        const std::vector<int64_t>& loads_SLWE, int64_t steps,
-                                        int64_t layers, const SimConfig& cfg, int32_t threads,
-                                        const std::vector<int64_t>* previous_LWE) {
-  const size_t cell = static_cast<size_t>(base.num_ranks) * base.num_experts;
-  if (steps < 1 || layers < 1 || loads_SLWE.size() != static_cast<size_t>(steps * layers) * cell)
-    throw std::invalid_argument("loads must hold steps x layers x W x E entries");
-  if (previous_LWE && previous_LWE->size() != static_cast<size_t>(layers) * cell)
-    throw std::invalid_argument("previous loads must hold layers x W x E entries");
-  const CellLoads at = [&](int64_t j) -> const int64_t* {
-    if (j >= 0) return loads_SLWE.data() + static_cast<size_t>(j) * cell;
-    return previous_LWE ? previous_LWE->data() + static_cast<size_t>(j + layers) * cell : nullptr;
-  };
-  return simulate_trace(policy, base, at, steps, layers, cfg, threads);
-}
-
-std::vector<LayerResult> simulate_trace(const std::string& policy, const planner::PlanInput& base,
-                                        const CellLoads& loads, int64_t steps, int64_t layers,
-                                        const SimConfig& cfg, int32_t threads) {
-  const size_t cell = static_cast<size_t>(base.num_ranks) * base.num_experts;
-  if (steps < 1 || layers < 1) throw std::invalid_argument("steps and layers must be >= 1");
-  if (threads < 1) throw std::invalid_argument("threads must be >= 1");
-  const auto pol = planner::make_policy(policy);
-  const bool symi = pol->kind() == planner::PolicyKind::kSymi;
-  const int64_t N = steps * layers;
-  std::vector<LayerResult> out(static_cast<size_t>(N));
-  std::vector<std::string> errors(static_cast<size_t>(threads));
-  // layers are taken one at a time from a shared counter: their planning cost varies
-  // (replicas, infeasible plans), and a fixed interleaving left a thread idle at the
-  // end of every chunk (tests/cpp/bench_sim.cpp ran at 179 % of 2 cores)
-  std::atomic<int64_t> next{0};
-  auto work = [&](int32_t t) {
-    planner::PlanInput in = base;
-    std::optional<GemmTable> gemm;  // built once per thread (time_plan)
-    try {
-      for (int64_t j = next++; j < N; j = next++) {
-        const int64_t* now = loads(j);
-        if (!now) throw std::invalid_argument("simulate_trace: no loads for cell " + std::to_string(j));
-        in.load_WE.assign(now, now + cell);
-        in.previous_load_E.clear();
-        // the same layer one step earlier (for the first step: the caller's, if any)
-        const int64_t* prev = symi ? loads(j - layers) : nullptr;
-        if (prev) {
-          in.previous_load_E.assign(static_cast<size_t>(base.num_experts), 0);
-          for (size_t k = 0; k < cell; ++k) in.previous_load_E[k % base.num_experts] += prev[k];
-        }
-        out[static_cast<size_t>(j)] = time_plan(pol->plan(in), in, cfg, &gemm);
-      }
-    } catch (const std::exception& e) {
-      errors[static_cast<size_t>(t)] = e.what();
-    }
-  };
-  if (threads == 1) {
-    work(0);
-  } else {
-    std::vector<std::thread> pool;
-    for (int32_t t = 0; t < threads; ++t) pool.emplace_back(work, t);
-    for (auto& th : pool) th.join();
-  }
-  for (const auto& e : errors)
-    if (!e.empty()) throw std::invalid_argument(e);
-  return out;
 }
 
 }  // namespace sim

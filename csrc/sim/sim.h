@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -91,6 +92,23 @@ struct SimConfig {
   // model holds at the step's peak, added to the resident (activations.h); mode kLayer
   // (the default, and the model before issue 30): none
   ActivationModel activations;
+  // Hysteresis across steps (planner/hysteresis.h) in simulate_trace, simulate_cluster and
+  // simulate_pressure_trace: < 0 off (every cell planned alone); in [0, 1) each layer's
+  // plan keeps the placement of that layer's plan one step earlier unless a fresh plan's
+  // max rank time is lower by more than this fraction (PlanInput::replan_threshold).
+  // Policies fixed, ultraep and lrmoe; symi is refused (its slots move every step).
+  double replan_threshold = -1.0;
+  // Where replica weights live (ultraep, lrmoe; symi has its own model, step.h):
+  // false (the model of every figure): a replica's slot is reused across layers, so its
+  // weights stream to it per layer, for the forward and again for the backward, and a
+  // moved replica costs nothing a kept one does not. true: a replica keeps its slot and
+  // weights from step to step (one slot per layer); a kept replica's weights are
+  // refreshed after the optimizer step, as symi's copies are (LayerResult::broadcast_ms,
+  // a step term), and only a replica absent from the layer's previous-step placement
+  // (every replica on a layer's first step) fetches its weights from the owner inside
+  // the layer (LayerResult::move_ms). The memory of the other layers' resident replicas
+  // is not added to the resident (one layer's memory, as the figures count it).
+  bool resident_replicas = false;
 };
 
 // The grid grouped by experts per rank, each curve sorted by rows (built once per layer).
@@ -173,9 +191,22 @@ struct LayerResult {
   // optimizer step (symi_broadcast_ms; 0 for the other policies, NaN when infeasible)
   int32_t owned_experts_max = 0;
   double broadcast_ms = 0;
+  // Hysteresis (SimConfig::replan_threshold): whether the layer kept its previous-step
+  // placement, and the replicas of this plan absent from that placement (replicas
+  // placed anew; every replica on a layer's first step). Counted whenever the previous
+  // placement is known (replan_threshold >= 0 or resident_replicas); else 0.
+  bool kept_previous = false;
+  int32_t moved_replicas = 0;
+  // resident_replicas: the moved replicas' weight fetch from their owners (one
+  // all-to-all of weight bytes, a2a.h), ms in fwd_ms before the expert GEMMs, not hidden
+  // (sim.cpp time_plan says why), and its bytes over links (part of replica_bytes); 0
+  // otherwise
+  double move_ms = 0, move_bytes = 0;
 };
 
-// Simulate one layer: plan `input` with `policy`, then time it.
+// Simulate one layer: plan `input` with `policy`, then time it. With
+// input.previous_instance_* set, make_plan's hysteresis applies and the previous
+// placement is the one moves are counted (and, under resident_replicas, charged) against.
 LayerResult simulate_layer(const std::string& policy, const planner::PlanInput& input,
                            const SimConfig& cfg);
 
@@ -186,6 +217,11 @@ LayerResult simulate_plan(const planner::Plan& plan, const planner::PlanInput& i
 // Every (step, layer) of loads_SLWE (S steps x Lyr layers x W x E, row-major) on
 // `threads` threads; symi gets the previous step's per-expert loads of the same layer
 // (for the first step: previous_LWE when given, a chunk of a longer trace, else none).
+// With cfg.replan_threshold >= 0 or cfg.resident_replicas the cells of a layer depend on
+// its previous step: the threads take whole layers, each walking its steps in order and
+// handing each plan's placement to the next step (hysteresis; the first step has none,
+// so the walk must not be split into chunks of steps). base.previous_instance_* are
+// ignored. Throws std::invalid_argument for replan_threshold >= 1 or with symi.
 std::vector<LayerResult> simulate_trace(const std::string& policy, const planner::PlanInput& base,
                                         const std::vector<int64_t>& loads_SLWE, int64_t steps,
                                         int64_t layers, const SimConfig& cfg, int32_t threads,
@@ -224,6 +260,43 @@ struct PressureResult {
 };
 PressureResult simulate_pressure(const std::string& policy, const planner::PlanInput& base,
                                  double multiplier, int32_t max_micro, const SimConfig& cfg);
+
+// simulate_pressure of every (step, layer) of loads_SLWE (S x Lyr x W x E) on `threads`
+// threads, in (step, layer) order. With cfg.replan_threshold >= 0 (or
+// resident_replicas) each layer's steps run in order, the plan of the micro-batch that
+// fit (else of the last one tried) handed to the next step as its previous placement
+// (every micro-batch count k of that step plans against it). Throws
+// std::invalid_argument as simulate_trace and simulate_pressure.
+std::vector<PressureResult> simulate_pressure_trace(const std::string& policy,
+                                                    const planner::PlanInput& base,
+                                                    const std::vector<int64_t>& loads_SLWE,
+                                                    int64_t steps, int64_t layers,
+                                                    double multiplier, int32_t max_micro,
+                                                    const SimConfig& cfg, int32_t threads);
+
+// The replica cost kappa of lrmoe's joint objective (PlanInput::replica_cost_rows) from
+// the links and the calibrated curve: one replica's weight transfer inside a node,
+//   t_w = weight_bytes / (intra_GBps x 1e6) + intra_latency_us / 1e3      (ms)
+// (replicas go inside the owner's NVLink domain first: docs/planner.md, "Topology"),
+// over the time of one row of expert compute on a balanced rank holding k =
+// experts_per_rank experts of r = rows_per_expert rows each, a forward and a retained
+// row averaged as the objective counts each as one row (joint.h):
+//   t_row = (gemm.ms(k, k r, fwd) + gemm.ms(k, k r, bwd)) / (2 k r)      (ms per row)
+//   kappa = round(t_w / t_row).
+// Throws std::invalid_argument for weight_bytes < 0, experts_per_rank or rows_per_expert
+// <= 0, intra_GBps <= 0 with weight_bytes > 0, or an empty grid (GemmTable).
+int64_t derived_replica_cost_rows(const SimConfig& cfg, int64_t weight_bytes,
+                                  double experts_per_rank, double rows_per_expert);
+
+namespace detail {
+// Time `plan` of `in` (simulate_plan), with moves counted against the previous placement
+// prev_offsets (E + 1) / prev_rank (I) when both are non-null; gemm_cache holds the
+// thread's GemmTable, built on first use. sim.cpp and pressure.cpp share it.
+LayerResult time_plan(const planner::Plan& plan, const planner::PlanInput& in,
+                      const SimConfig& cfg, std::optional<GemmTable>* gemm_cache,
+                      const std::vector<int32_t>* prev_offsets = nullptr,
+                      const std::vector<int32_t>* prev_rank = nullptr);
+}  // namespace detail
 
 }  // namespace sim
 }  // namespace lrmoe

@@ -113,10 +113,13 @@ def add_sim_arguments(p) -> None:
                         "a budget (csrc/planner/joint.h). Default on (the paper plans them "
                         "together); --no-joint: the sequential plan (fixed-rule quotas, a cut "
                         "only on ranks over budget, then replicas)")
-    p.add_argument("--replica-cost-rows", type=int, default=0, metavar="KAPPA",
-                   help="with --joint: one replica's weight and gradient traffic in row-times "
-                        "(default 0: the simulator hides replica traffic behind the expert "
-                        "compute at EP8, so a replica costs only its slot)")
+    p.add_argument("--replica-cost-rows", type=int, default=None, metavar="KAPPA",
+                   help="with --joint: one replica's cost in rows of expert compute. Default: "
+                        "derived, round(t_w / t_row) with t_w one expert's weights (3 H I x "
+                        "2 B) over NVLink (intra_GBps + intra latency of --links) and t_row "
+                        "one row of the calibrated expert GEMMs, forward and backward averaged, "
+                        "at E / W experts per rank and the mean rows per expert "
+                        "(lrmoe.sim.simulate.derived_replica_cost_rows); a number overrides it")
     p.add_argument("--ultraep-refine", action=argparse.BooleanOptionalAction, default=None,
                    help="ultraep: refinement passes after the bisection (local moves of rows "
                         "that lower the max rank load; csrc/planner/ultraep_refine.h). Default "
@@ -130,9 +133,15 @@ def add_sim_arguments(p) -> None:
                    help="hysteresis (csrc/planner/hysteresis.h) for fixed, ultraep and lrmoe "
                         "in Figs. 7/8: each layer keeps its previous step's placement unless a "
                         "fresh plan's max rank time is lower by more than T in [0, 1). Default "
-                        "off: the simulator streams every replica's weights per layer (slots "
-                        "are reused across layers), so keeping a placement saves no traffic in "
-                        "its time model and can only keep a worse plan")
+                        "off (docs/simulation.md, \"Hysteresis and the price of a move\": it "
+                        "does not pay in either replica model). Batch pressure and --scale "
+                        "take it too")
+    p.add_argument("--resident-replicas", action=argparse.BooleanOptionalAction, default=False,
+                   help="ultraep, lrmoe: a replica keeps its slot and weights from step to step; "
+                        "one placed anew fetches its weights from the owner in the layer's "
+                        "forward, before its GEMMs, every replica is refreshed after the "
+                        "optimizer step (csrc/sim/sim.h SimConfig.resident_replicas). Default "
+                        "off: the figures' model, weights streamed per layer")
     p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
                    help="ranks per node (NVLink domain) for the planner's topology (replicas "
                         "on the owner's node first, forward splits prefer same-node "
@@ -235,18 +244,21 @@ def _memory(shape, args, offload=False):
                           offload=offload)
 
 
-def planner_options(args, policy: str, num_ranks: int) -> dict:
+def planner_options(args, policy: str, num_ranks: int, derived_kappa: int = 0) -> dict:
     """The planner's options of ``policy`` from ``lrmoe sim``'s resolved flags
     (:func:`resolve_planner_flags`), as keyword arguments of
     :func:`lrmoe.sim.simulate.simulate`: joint and its replica cost for lrmoe only,
     refinement for ultraep only, the spare-capacity split where ``--spare-capacity-split``
     names the policy, and the node size when it is smaller than the ``num_ranks`` group
-    (a node of W or more ranks is one node: the flat plan)."""
+    (a node of W or more ranks is one node: the flat plan). ``derived_kappa``: the joint
+    plan's replica cost when ``--replica-cost-rows`` is not given
+    (:func:`lrmoe.sim.simulate.derived_replica_cost_rows`)."""
     g = getattr(args, "planner_gpus_per_node", None)
     split = getattr(args, "spare_capacity_split", "none")
     joint = bool(getattr(args, "joint", False)) and policy == "lrmoe"
     return dict(joint=joint,
-                replica_cost_rows=int(getattr(args, "replica_cost_rows", 0)) if joint else 0,
+                replica_cost_rows=(int(derived_kappa) if getattr(args, "replica_cost_rows", None)
+                                   is None else int(args.replica_cost_rows)) if joint else 0,
                 ultraep_refine=bool(getattr(args, "ultraep_refine", False)) and policy == "ultraep",
                 spare_capacity_split=split == "all" or (split == "ultraep" and policy == "ultraep"),
                 gpus_per_node=g if g is not None and g < num_ranks else None)
@@ -279,7 +291,7 @@ def resolve_planner_flags(args, links: Links) -> Links:
     args.joint = "lrmoe" in pols if args.joint is None else bool(args.joint)
     args.ultraep_refine = "ultraep" in pols if args.ultraep_refine is None \
         else bool(args.ultraep_refine)
-    if args.replica_cost_rows < 0:
+    if args.replica_cost_rows is not None and args.replica_cost_rows < 0:
         raise ValueError(f"--replica-cost-rows must be >= 0 (one replica's traffic in "
                          f"row-times), got {args.replica_cost_rows}")
     if args.replica_cost_rows and not args.joint:
@@ -318,8 +330,17 @@ def resolve_planner_flags(args, links: Links) -> Links:
     return links
 
 
+def _kappa(args, shape, costs, links, policy, loads) -> int:
+    """The derived replica cost of the joint lrmoe plan on ``loads`` (..., W, E) when
+    ``--replica-cost-rows`` is not given (0 where it does not apply)."""
+    if not (policy == "lrmoe" and getattr(args, "joint", False)
+            and getattr(args, "replica_cost_rows", None) is None):
+        return 0
+    return S.derived_replica_cost_rows(shape, costs, links, loads)
+
+
 def _run(args, shape, costs, links, policy, loads, multiplier=0.0, memory=None,
-         activations=None, hysteresis=False):
+         activations=None):
     rate = args.rate if policy == "lrmoe" else 0.0
     # --activations offload puts the planned layer's gate/up rows on the host too
     offload = args.offload or (activations is not None and
@@ -333,8 +354,10 @@ def _run(args, shape, costs, links, policy, loads, multiplier=0.0, memory=None,
                      offload_row_bytes=4 * shape.moe_intermediate_size if offload else 0,
                      multiplier=multiplier, top_k=args.dedup_top_k or 1,
                      activations=activations,
-                     replan_threshold=t if hysteresis and policy != "symi" else None,
-                     **planner_options(args, policy, loads.shape[2]))
+                     replan_threshold=t if policy != "symi" else None,
+                     resident_replicas=bool(getattr(args, "resident_replicas", False)),
+                     **planner_options(args, policy, loads.shape[2],
+                                       _kappa(args, shape, costs, links, policy, loads)))
     return res
 
 
@@ -447,6 +470,8 @@ def run_sim(args) -> dict:
                                 ultraep_refine=args.ultraep_refine,
                                 spare_capacity_split=args.spare_capacity_split,
                                 replan_threshold=args.replan_threshold,
+                                resident_replicas=bool(getattr(args, "resident_replicas",
+                                                               False)),
                                 gpus_per_node=args.planner_gpus_per_node,
                                 drift=None if args.drift_fit is None else
                                 dict(zip(("phi", "sigma", "jitter"), args.drift_fit)),
@@ -458,8 +483,12 @@ def run_sim(args) -> dict:
                                 overlap_chunks=links.overlap_chunks),
                      policies={})
     for pol in args.policies:
-        res = _run(args, shape, costs, links, pol, loads, hysteresis=True)
+        res = _run(args, shape, costs, links, pol, loads)
         summ = S.summarize(res, layers)
+        # the joint plan's replica cost it ran with (derived unless --replica-cost-rows)
+        summ["replica_cost_rows"] = planner_options(
+            args, pol, loads.shape[2], _kappa(args, shape, costs, links, pol, loads)
+        )["replica_cost_rows"]
         # a layer whose plan does not fit runs as more, smaller micro-batches (its time
         # is k x one micro-batch's; 'none fits' stays NaN): the time Table 1 charges
         summ["moe_ms_per_step_microbatched"] = summ["moe_ms_per_step"]
@@ -619,7 +648,13 @@ def scale(args, shape, costs, links, layers) -> dict:
                                    replica_slots=args.replica_slots, threads=args.threads,
                                    balance_slack=None if args.balance_slack < 0
                                    else args.balance_slack, top_k=args.dedup_top_k or 1,
-                                   step=model, **planner_options(args, pol, ep))
+                                   step=model,
+                                   replan_threshold=None if pol == "symi"
+                                   else getattr(args, "replan_threshold", None),
+                                   resident_replicas=bool(getattr(args, "resident_replicas",
+                                                                  False)),
+                                   **planner_options(args, pol, ep, _kappa(
+                                       args, shape, costs, links, pol, loads)))
             ok = bool((r["feasible"] > 0).all())
             nan = float("nan")
             ms = float(np.mean(r["time_ms"])) if ok else nan

@@ -48,7 +48,8 @@ def _fields() -> tuple:
 #: memory_peak (the largest rank's total), limit_bytes, replicas, pairs, retained,
 #: fwd_imbalance, bwd_imbalance, owned_experts_max and broadcast_ms (the step terms'
 #: inputs: the most experts a rank owns, symi's per-step weight broadcast of the layer's
-#: copies; csrc/sim/step.h), and micro_batches/time_ms, the batch-pressure answer (1
+#: copies; csrc/sim/step.h), kept_previous, moved_replicas, move_ms and move_bytes
+#: (hysteresis and the resident replicas' fetch of the moved ones), and micro_batches/time_ms, the batch-pressure answer (1
 #: and fwd + bwd outside it; 0 and NaN when no micro-batch count fits), with its
 #: micro-batch's activation_bytes (the whole model's, added to the resident;
 #: csrc/sim/activations.h) and recompute_ms (0 outside them); times in ms, bytes plain
@@ -168,7 +169,8 @@ def simulate(load_SLWE: np.ndarray, policy: str, memory: MemoryModel, costs: Cos
              activations: Optional["_C.sim.ActivationModel"] = None, *, joint: bool = False,
              replica_cost_rows: int = 0, gpus_per_node: Optional[int] = None,
              ultraep_refine: bool = False, spare_capacity_split: bool = False,
-             replan_threshold: Optional[float] = None) -> dict:
+             replan_threshold: Optional[float] = None,
+             resident_replicas: bool = False) -> dict:
     """Simulate every (step, layer) of ``load_SLWE`` under ``policy``.
 
     Args:
@@ -195,17 +197,25 @@ def simulate(load_SLWE: np.ndarray, policy: str, memory: MemoryModel, costs: Cos
             (checked by :func:`lrmoe.planner.plan.set_options`; joint lrmoe only,
             ultraep_refine ultraep only, gpus_per_node in [1, W]).
         replan_threshold: None: every (step, layer) planned afresh. A number in [0, 1):
-            hysteresis across steps (csrc/planner/hysteresis.h): each layer's plan keeps
-            the placement of the same layer's plan one step earlier unless a fresh plan
-            is better by more than this fraction of its max rank time. Steps are then
-            planned in order, one layer at a time on one thread. fixed, ultraep, lrmoe
-            only; not with ``multiplier`` (batch pressure plans each cell alone).
+            hysteresis across steps (csrc/planner/hysteresis.h), run inside the C++
+            simulator (csrc/sim/sim.h ``SimConfig.replan_threshold``): each layer's plan
+            keeps the placement of the same layer's plan one step earlier unless a fresh
+            plan is better by more than this fraction of its max rank time; the threads
+            then take whole layers. fixed, ultraep, lrmoe only; with ``multiplier`` too
+            (each step's micro-batch plan against the previous step's).
+        resident_replicas: False (the figures' model): replica weights stream per layer,
+            so moving a replica costs nothing extra. True: replicas keep their slot from
+            step to step; one placed anew fetches its weights inside the layer
+            (``move_ms``, in ``fwd_ms``), every replica is refreshed after the optimizer
+            step (``broadcast_ms``); csrc/sim/sim.h ``SimConfig.resident_replicas``.
 
     Returns:
         dict: each of :data:`FIELDS` -> (N,) float64 in (step, layer) order
         (``activation_bytes`` and ``recompute_ms`` 0 outside batch pressure);
-        ``kept_previous`` (N,) 1.0 where hysteresis kept the previous placement and
-        ``moved_replicas`` (N,) replicas placed anew (0 without ``replan_threshold``);
+        among them ``kept_previous`` (1.0 where hysteresis kept the previous placement),
+        ``moved_replicas`` (replicas absent from the layer's previous-step placement, every
+        replica on its first step; 0 unless ``replan_threshold`` or
+        ``resident_replicas``) and ``move_ms`` / ``move_bytes`` (their weight fetch);
         ``sent_N5W`` (N, 5, W) int64 when asked; ``reason``: the first infeasible plan's
         reason ('').
 
@@ -231,26 +241,24 @@ def simulate(load_SLWE: np.ndarray, policy: str, memory: MemoryModel, costs: Cos
                 gpus_per_node=gpus_per_node, ultraep_refine=ultraep_refine,
                 spare_capacity_split=spare_capacity_split,
                 replan_threshold=0.0 if replan_threshold is None else replan_threshold)
-    if replan_threshold is not None and (policy == "symi" or multiplier > 0):
+    if replan_threshold is not None and policy == "symi":
         raise ValueError("replan_threshold (hysteresis, --replan-threshold) applies to the "
                          "per-layer plans of fixed, ultraep and lrmoe; symi's slots move "
-                         "every step by design and batch pressure plans each cell alone: "
-                         f"got policy {policy!r}, multiplier {multiplier}; pass None there")
-    # (layer, micro_batches, time_ms) per (step, layer)
+                         "every step by design: pass None for symi")
+    cfg.replan_threshold = -1.0 if replan_threshold is None else float(replan_threshold)
+    cfg.resident_replicas = bool(resident_replicas)
+    # hysteresis and resident replicas chain each layer's steps (csrc/sim/sim.h
+    # simulate_trace): the whole trace in one call, since a chunk's first step would
+    # have no previous placement
+    chained = replan_threshold is not None or (resident_replicas and policy != "symi")
+    step_chunk = load.shape[0] if chained else chunk_steps
+    # (layer, micro_batches, time_ms, activation_bytes, recompute_ms) per (step, layer)
     rows, prev = [], None
-    kept = np.zeros(load.shape[0] * load.shape[1])
-    moved = np.zeros_like(kept)
-    if replan_threshold is not None:
-        for j, (r, k, m) in enumerate(_with_hysteresis(policy, inp, load, cfg)):
-            rows.append((r, 1, r.fwd_ms + r.bwd_ms, 0, 0.0))
-            kept[j], moved[j] = k, m
-    for s0 in range(0, load.shape[0] if replan_threshold is None else 0, chunk_steps):
-        chunk = np.ascontiguousarray(load[s0:s0 + chunk_steps])
+    for s0 in range(0, load.shape[0], step_chunk):
+        chunk = np.ascontiguousarray(load[s0:s0 + step_chunk])
         if multiplier > 0:  # batch pressure: every (step, layer) at m x its loads
-            for cell in chunk.reshape(-1, *chunk.shape[2:]):
-                inp.load_WE = cell
-                p = _C.sim.simulate_pressure(policy, inp, float(multiplier),
-                                             int(max_micro_batches), cfg)
+            for p in _C.sim.simulate_pressure_trace(policy, inp, chunk, float(multiplier),
+                                                    int(max_micro_batches), cfg, int(threads)):
                 rows.append((p.layer, p.micro_batches, p.time_ms, p.activation_bytes,
                              p.recompute_ms))
         else:
@@ -267,36 +275,45 @@ def simulate(load_SLWE: np.ndarray, policy: str, memory: MemoryModel, costs: Cos
                                     if r.sent_bytes_5W.size else
                                     np.zeros((len(SENT_KEYS), W), dtype=np.int64)
                                     for r in layers]).reshape(-1, len(SENT_KEYS), W)
-    out["kept_previous"], out["moved_replicas"] = kept, moved
     out["reason"] = next((r.reason for r in layers if not r.feasible), "")
     return out
 
 
-def _with_hysteresis(policy: str, inp, load: np.ndarray, cfg):
-    """(LayerResult, kept_previous, moved_replicas) per (step, layer) of ``load``
-    (S, Lyr, W, E), in (step, layer) order: each layer's steps planned in order, the
-    previous step's plan of that layer handed to the C++ planner as the previous
-    placement (csrc/planner/hysteresis.h decides whether to keep it). The plan is made
-    twice per cell, once for its placement (``_C.planner.plan``) and once inside
-    ``_C.sim.simulate_layer`` (both ``make_plan`` on the same input, so the same plan):
-    the binding's layer result does not carry the placement."""
-    S_, L = load.shape[:2]
-    out = [None] * (S_ * L)
-    empty32, empty64 = np.zeros(0, np.int32), np.zeros(0, np.int64)
-    for layer in range(L):
-        inp.previous_instance_offsets, inp.previous_instance_rank = empty32, empty32
-        inp.previous_instance_rows = empty64
-        for step in range(S_):
-            inp.load_WE = np.ascontiguousarray(load[step, layer])
-            p = _C.planner.plan(policy, inp)
-            r = _C.sim.simulate_layer(policy, inp, cfg)
-            out[step * L + layer] = (r, float(p.kept_previous), float(p.moved_replicas))
-            W = p.num_ranks
-            inp.previous_instance_offsets = np.asarray(p.instance_offsets, np.int32)
-            inp.previous_instance_rank = np.asarray(p.instance_rank, np.int32)
-            inp.previous_instance_rows = np.asarray(p.forward_IW, np.int64).reshape(
-                -1, W).sum(axis=1)
-    return out
+def derived_replica_cost_rows(shape: ModelShape, costs: Costs, links: Links,
+                              load: np.ndarray, elem_bytes: int = 2) -> int:
+    """The replica cost kappa of lrmoe's joint objective (``replica_cost_rows``, rows)
+    derived from the links and the calibrated cost curve (csrc/sim/sim.h
+    ``derived_replica_cost_rows``)::
+
+        t_w   = 3 H I elem_bytes / (intra_GBps 1e6) + intra_latency_us / 1e3     (ms)
+        t_row = (gemm_fwd(k, k r) + gemm_bwd(k, k r)) / (2 k r)                  (ms / row)
+        kappa = round(t_w / t_row),   k = E / W,  r = mean routed rows per expert
+
+    t_w: one expert's weights (gate, up, down: 3 matrices of hidden x moe_intermediate)
+    over NVLink, where replicas go first (docs/planner.md, "Topology"); t_row: one row of
+    the expert GEMMs on a balanced rank at the calibrated curve
+    (:func:`sim_config`'s GemmTable, roofline included), a forward and a retained row
+    averaged since the joint objective counts each as one row (csrc/planner/joint.h).
+
+    Args:
+        load: (..., W, E) routed pairs; r is their mean per (step, layer) cell over E.
+
+    Raises:
+        ValueError: ``load`` not at least 2-D or with no routed pair (naming it), or
+            the simulator's (an empty cost grid, intra_GBps <= 0).
+    """
+    a = np.asarray(load)
+    if a.ndim < 2 or a.shape[-1] < 1 or a.shape[-2] < 1:
+        raise ValueError(f"load must be (..., W, E), got shape {tuple(a.shape)}")
+    W, E = a.shape[-2:]
+    cells = max(1, a.size // (W * E))
+    r = float(a.sum()) / cells / E
+    if not r > 0:
+        raise ValueError("load has no routed pair: the replica cost per row is undefined; "
+                         "give --replica-cost-rows explicitly")
+    cfg = sim_config(costs, links, shape.hidden_size, elem_bytes=elem_bytes)
+    w = 3 * shape.hidden_size * shape.moe_intermediate_size * elem_bytes
+    return int(_C.sim.derived_replica_cost_rows(cfg, int(w), E / W, r))
 
 
 #: per-step result keys of :func:`simulate_cluster` with a ``step`` model: the MoE layers
@@ -348,7 +365,9 @@ def simulate_cluster(load_SGLWE: np.ndarray, policy: str, memory: MemoryModel, c
                      threads: int = 2, top_k: int = 1,
                      step: Optional["_C.sim.StepModel"] = None, *, joint: bool = False,
                      replica_cost_rows: int = 0, gpus_per_node: Optional[int] = None,
-                     ultraep_refine: bool = False, spare_capacity_split: bool = False) -> dict:
+                     ultraep_refine: bool = False, spare_capacity_split: bool = False,
+                     replan_threshold: Optional[float] = None,
+                     resident_replicas: bool = False) -> dict:
     """Every expert-parallel group of a cluster (its data-parallel copies), each on its
     own loads: a (step, layer) takes as long as its slowest group, whose gradient
     reduction the others wait for (csrc/sim/cluster.h; docs/simulation.md, "64-1024
@@ -361,7 +380,9 @@ def simulate_cluster(load_SGLWE: np.ndarray, policy: str, memory: MemoryModel, c
         step: the model outside the MoE layers (:func:`step_model`; its ``dp_size`` must
             be Gr), for the per-step results.
         joint ... spare_capacity_split: the planner's options, as :func:`simulate`
-            (no hysteresis here: every group's cells are planned alone).
+        replan_threshold, resident_replicas: as :func:`simulate`; every group's layers
+            walk their own steps (csrc/sim/cluster.cpp flattens (group, layer) into
+            simulate_trace's layer axis).
 
     Returns:
         dict of (S x Lyr,) float64 in (step, layer) order: ``feasible`` (1: every group's
@@ -384,6 +405,11 @@ def simulate_cluster(load_SGLWE: np.ndarray, policy: str, memory: MemoryModel, c
         raise ValueError(f"threads must be >= 1, got {threads}")
     check_slots(replica_slots, 0, load.shape[4])
     cfg = sim_config(costs, links, hidden, top_k=top_k)
+    if replan_threshold is not None and policy == "symi":
+        raise ValueError("replan_threshold (--replan-threshold) applies to fixed, ultraep and "
+                         "lrmoe; symi's slots move every step by design: pass None for symi")
+    cfg.replan_threshold = -1.0 if replan_threshold is None else float(replan_threshold)
+    cfg.resident_replicas = bool(resident_replicas)
     inp = plan_input(load.shape[3], load.shape[4], memory, recalibration_rate, "proportional",
                      replica_slots, 0, 0.5, 0, 1, balance_slack)
     set_options(inp, policy, joint=joint, replica_cost_rows=replica_cost_rows,

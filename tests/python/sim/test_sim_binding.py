@@ -29,7 +29,10 @@ DOCUMENTED = ("feasible", "binding", "fwd_ms", "bwd_ms", "src_fwd_ms", "dispatch
               "replica_bytes", "offload_bytes", "memory_base_experts", "memory_replicas",
               "memory_forward_tokens", "memory_backward_tokens", "memory_peak", "limit_bytes",
               "replicas", "pairs", "retained", "fwd_imbalance", "bwd_imbalance",
-              "owned_experts_max", "broadcast_ms", "micro_batches", "time_ms",
+              "owned_experts_max", "broadcast_ms",
+              # issue 30: hysteresis in the simulator and the price of a move
+              "kept_previous", "moved_replicas", "move_ms", "move_bytes",
+              "micro_batches", "time_ms",
               # issue 30: batch pressure's whole-model activations (csrc/sim/activations.h)
               "activation_bytes", "recompute_ms")
 

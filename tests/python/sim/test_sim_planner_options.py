@@ -249,3 +249,29 @@ def test_sim_cli_joint_gives_the_direct_plans_fields(quick_costs, tmp_path):
     h = _sim(quick_costs, tmp_path / "h", "--replan-threshold", "0.5")
     assert 0.0 <= h["policies"]["lrmoe"]["kept_previous"] <= 0.5  # step 0 is always fresh
     assert "kept_previous" not in h["policies"]["symi"] or h["policies"]["symi"]["kept_previous"] == 0
+
+
+def test_sim_cli_threshold_reaches_pressure_and_scale_and_kappa_is_derived(quick_costs, tmp_path):
+    """``--replan-threshold`` with batch pressure and ``--scale`` runs (it was refused or
+    ignored there); the joint plan's replica cost is the derived one unless given, and
+    the derived one is lrmoe.sim.simulate.derived_replica_cost_rows of the run's loads
+    (by hand in tests/python/sim/test_sim_hysteresis.py)."""
+    from lrmoe.workload.shapes import MODELS
+    h = run_sim(cli.build_parser().parse_args(
+        ["sim", "--costs", str(quick_costs), "--model", "gpu-small", "--gpus", "4",
+         "--tokens-per-gpu", "256", "--steps", "2", "--layers", "2", "--pressure", "1", "2",
+         "--pressure-steps", "2", "--scale", "4", "8", "--threads", "1", "--skew", "4",
+         "--replan-threshold", "0.05", "--resident-replicas", "--out", str(tmp_path / "h")]))
+    assert set(h["pressure"]["policies"]) >= {"fixed", "ultraep", "lrmoe"}
+    assert h["scale"]
+    shape = MODELS["gpu-small"]
+    from lrmoe.workload.loads import cluster_loads
+    loads = cluster_loads(4, shape.num_experts, 256, shape.top_k, 2, 2, 4.0, None, 0)
+    want = S.derived_replica_cost_rows(shape, Costs.from_file(str(quick_costs), "gpu-small"),
+                                       Links.from_file(), loads)
+    # (the quick CPU calibration's rows are slow: kappa may round to 0 here; the formula is
+    # checked by hand on a toy curve in test_sim_hysteresis.py)
+    assert h["policies"]["lrmoe"]["replica_cost_rows"] == want
+    k = _sim(quick_costs, tmp_path / "k", "--replica-cost-rows", "5")
+    assert k["policies"]["lrmoe"]["replica_cost_rows"] == 5
+    assert k["policies"]["ultraep"]["replica_cost_rows"] == 0
