@@ -17,7 +17,10 @@ under fixed ownership plus R replicas, so every UltraEP plan has max >= T. Layou
 ``strided`` (the same loads with expert ids j -> children spread: recorded expert e's
 children at e, e + E_rec, ...: on r different EP8 owners). Then the simulated per-layer
 fwd + bwd ms of UltraEP and SYMI (``lrmoe.sim.simulate.simulate``, the figures' planner
-options and dedup) for each layout and R. Steps 1.. (step 0 has no previous step).
+options and dedup) for each layout and R, with their dispatch and expert GEMM phases,
+and from the plans the most remote pair rows a rank receives (over the mean rank's
+pairs) and the share of pairs computed on their own source rank (no all-to-all).
+Steps 1.. (step 0 has no previous step).
 
     python experiments/counts_ultraep_slots.py --starts 50 200 600 1168 --steps 8 \\
         --layers 8 --slots 2 4 --out experiments/results/sim_drift_controls/ultraep_slots.json
@@ -61,6 +64,19 @@ def owners_bound(n_E: np.ndarray, W: int, R: int) -> float:
     return hi
 
 
+def remote_rows(p) -> tuple:
+    """(max over ranks of the pair rows a rank receives from other ranks, same of the rows
+    a source sends to other ranks, the share of pairs computed on their source's rank) of
+    a plan: the all-to-all's rows before any dedup (forward_IW, instance_rank)."""
+    F = p.forward_IW.numpy()
+    rk = p.instance_rank.numpy()
+    W = F.shape[1]
+    remote = rk[:, None] != np.arange(W)[None, :]
+    sent = (F * remote).sum(0)
+    recv = np.array([(F[rk == d] * remote[rk == d]).sum() for d in range(W)])
+    return float(recv.max()), float(sent.max()), float(1 - sent.sum() / F.sum())
+
+
 def strided(E: int, E_rec: int) -> np.ndarray:
     """(E,) permutation: column j of the strided loads is column perm[j] of the
     contiguous ones (child k of recorded expert e: contiguous id r e + k, strided id
@@ -91,7 +107,9 @@ def main(argv=None) -> dict:
                              counts_start=start, seed=a.seed)
         for layout, loads in (("contiguous", base), ("strided", base[..., perm])):
             for R in a.slots:
-                m = {k: [] for k in ("fixed", "ultraep", "symi", "owners_bound")}
+                m = {k: [] for k in ("fixed", "ultraep", "symi", "owners_bound",
+                                     "ultraep_recv", "symi_recv", "ultraep_local_share",
+                                     "symi_local_share")}
                 for s in range(1, a.steps):
                     for l in range(a.layers):
                         n = loads[s, l].sum(0)
@@ -104,24 +122,40 @@ def main(argv=None) -> dict:
                         y = plan(loads[s, l], "symi", mem, replica_slots=R,
                                  previous_load_E=loads[s - 1, l].sum(0))
                         m["symi"].append(float(y.forward_rows_W.max()) / mean)
+                        for pol, pl in (("ultraep", u), ("symi", y)):
+                            recv, _, local = remote_rows(pl)
+                            m[f"{pol}_recv"].append(recv / mean)  # x the mean rank's pairs
+                            m[f"{pol}_local_share"].append(local)
                 ms = {}
                 for pol, kw in (("ultraep", dict(ultraep_refine=True, spare_capacity_split=True)),
                                 ("symi", {})):
                     r = S.simulate(loads, pol, mem, costs, links, shape.hidden_size, 0.0,
                                    replica_slots=R, threads=1, top_k=shape.top_k, **kw)
-                    ms[pol] = float(np.mean((r["fwd_ms"] + r["bwd_ms"])[r["feasible"] > 0]))
+                    ok = r["feasible"] > 0
+                    ms[pol] = float(np.mean((r["fwd_ms"] + r["bwd_ms"])[ok]))
+                    for ph in ("dispatch_ms", "expert_fwd_ms", "expert_bwd_ms"):
+                        ms[f"{pol}_{ph}"] = float(np.mean(r[ph][ok]))
                 row = dict(start=start, layout=layout, replica_slots=R,
-                           **{f"{k}_max_over_mean": float(np.mean(v)) for k, v in m.items()},
+                           **{k if k.endswith("share") else f"{k}_max_over_mean":
+                              float(np.mean(v)) for k, v in m.items()},
                            ultraep_over_bound_max=float(np.max(np.array(m["ultraep"]) /
                                                                np.array(m["owners_bound"]) - 1)),
                            ultraep_ms=ms["ultraep"], symi_ms=ms["symi"],
-                           symi_over_ultraep=ms["symi"] / ms["ultraep"] - 1)
+                           symi_over_ultraep=ms["symi"] / ms["ultraep"] - 1,
+                           phases_ms={k: v for k, v in ms.items() if k.endswith("_ms")})
                 rows.append(row)
                 print(f"counts:{start} {layout:10s} R {R}: max/mean fixed {row['fixed_max_over_mean']:.3f} "
                       f"owners bound {row['owners_bound_max_over_mean']:.3f} ultraep "
                       f"{row['ultraep_max_over_mean']:.3f} (worst {100 * row['ultraep_over_bound_max']:+.1f} % "
                       f"over the bound) symi {row['symi_max_over_mean']:.3f}; ms ultraep "
-                      f"{ms['ultraep']:.2f} symi {ms['symi']:.2f} ({100 * row['symi_over_ultraep']:+.2f} %)")
+                      f"{ms['ultraep']:.2f} symi {ms['symi']:.2f} ({100 * row['symi_over_ultraep']:+.2f} %); "
+                      f"remote rows received (max rank / mean rank's pairs) ultraep "
+                      f"{row['ultraep_recv_max_over_mean']:.3f} symi {row['symi_recv_max_over_mean']:.3f}, "
+                      f"pairs on their own rank ultraep {row['ultraep_local_share']:.3f} symi "
+                      f"{row['symi_local_share']:.3f}; dispatch / expert fwd / expert bwd ms "
+                      f"ultraep {ms['ultraep_dispatch_ms']:.2f} / {ms['ultraep_expert_fwd_ms']:.2f} / "
+                      f"{ms['ultraep_expert_bwd_ms']:.2f} symi {ms['symi_dispatch_ms']:.2f} / "
+                      f"{ms['symi_expert_fwd_ms']:.2f} / {ms['symi_expert_bwd_ms']:.2f}")
     out = dict(args=vars(a), rows=rows)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
