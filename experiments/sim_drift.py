@@ -11,7 +11,12 @@ what the one-step lag costs, apart from what drift does to the skew.
 
 ``--drift counts:N`` replays the committed GCIDE counts (experiments/results/drift/
 gcide-tiny-e32-counts.npz) from recorded step N (``lrmoe sim --counts FILE
---counts-start N``) instead of a synthetic drift.
+--counts-start N``) instead of a synthetic drift. Its matched-skew controls
+(``lrmoe sim --counts-control``, lrmoe.workload.loads.counts_popularity) keep each
+step's recorded load multiset and change its persistence: ``counts-shuffled:N`` (each
+step's expert ids permuted, seeded by the seed: no persistence), ``counts-frozen:N``
+(step N repeated: its skew, a fixed popularity), ``counts-ranked:N`` (each step's own
+loads in step N's ranking: the same skews, a fixed ranking).
 
 Every run is ``lrmoe sim --costs configs/costs/h200.json --gpus 8 --steps S --layers L
 --pressure --seed K --drift D --joint --ultraep-refine --spare-capacity-split ultraep
@@ -51,7 +56,7 @@ def symi_nolag(args) -> float:
     loads = cluster_loads(args.gpus, shape.num_experts, args.tokens_per_gpu, shape.top_k,
                           args.steps, layers, args.skew, args.trace, args.seed,
                           drift=args.drift_fit, counts=args.counts,
-                          counts_start=args.counts_start)
+                          counts_start=args.counts_start, counts_control=args.counts_control)
     costs = Costs.from_file(args.costs, args.model)
     links = Links.from_file(args.links)
     t = []
@@ -60,6 +65,27 @@ def symi_nolag(args) -> float:
         ok = r["feasible"] > 0  # as summarize: the mean over the plans that fit
         t.append((r["fwd_ms"] + r["bwd_ms"])[ok])
     return float(np.mean(np.concatenate(t)))
+
+
+def drift_source(d: str) -> list:
+    """The ``lrmoe sim`` flags of one ``--drift`` choice: ``counts:N`` (the committed GCIDE
+    counts from recorded step N), ``counts-CONTROL:N`` (CONTROL one of shuffled, frozen,
+    ranked: ``--counts-control``), else ``--drift d``.
+
+    Raises:
+        ValueError: a ``counts...`` choice with an unknown control or a start that is not
+            an integer >= 0, naming ``--drift``.
+    """
+    if not d.startswith("counts"):
+        return ["--drift", d]
+    head, _, start = d.partition(":")
+    control = head[len("counts-"):] if head.startswith("counts-") else "real"
+    if head not in ("counts", "counts-shuffled", "counts-frozen", "counts-ranked") or \
+            not start.isdigit():
+        raise ValueError(f"--drift {d}: a counts replay is counts:N, counts-shuffled:N, "
+                         "counts-frozen:N or counts-ranked:N with N the first recorded step "
+                         "(an integer >= 0)")
+    return ["--counts", COUNTS, "--counts-start", start, "--counts-control", control]
 
 
 def main(argv=None) -> dict:
@@ -81,9 +107,7 @@ def main(argv=None) -> dict:
     for d in a.drift:
         per, feas = {p: [] for p in POLS}, {}
         for k in a.seeds:
-            # counts:START replays the committed GCIDE counts from recorded step START
-            src = (["--counts", COUNTS, "--counts-start", d.split(":")[1]]
-                   if d.startswith("counts:") else ["--drift", d])
+            src = drift_source(d)
             args = cli.build_parser().parse_args(
                 ["sim", "--costs", a.costs, "--gpus", "8", "--steps", str(a.steps), "--layers",
                  str(a.layers), "--skew", str(a.skew), "--pressure", "--seed", str(k),

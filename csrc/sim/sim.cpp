@@ -29,14 +29,17 @@ double transfer_ms(double bytes, double GBps) {
   return bytes / (GBps * 1e6);
 }
 
-// One experts-per-rank curve: time at `rows` per expert, linear between the measured
-// rows, the first point's time below it (small GEMMs are launch-bound). Beyond the last
-// measured rows: with a roofline, the last point's time plus the roofline's extra time
-// for the extra rows at the grid's marginal efficiency `eta` (GemmTable::GemmTable);
-// without one, the last segment's slope, or the last point's ms per row where that
-// slope is <= 0. Never a clamped slope: a zero slope let 262k rows of one expert cost
-// 1.3 ms, below the H200's 2.5 ms floor (issue 30; docs/simulation.md, "Cost model").
-double curve_ms(const std::vector<std::pair<double, double>>& pts, double rows,
+// One experts-per-rank curve: the time of `k` experts (the curve's own count) at `rows`
+// per expert each, linear between the measured rows, the first point's time below it
+// (small GEMMs are launch-bound). Beyond the last measured rows: with a roofline, the
+// last point's time plus the roofline's extra time for the k experts' extra rows at the
+// grid's marginal efficiency `eta` (GemmTable::GemmTable, which measures eta on k x one
+// expert's roofline too); without one, the last segment's slope, or the last point's ms
+// per row where that slope is <= 0. Never a clamped slope: a zero slope let 262k rows of
+// one expert cost 1.3 ms, below the H200's 2.5 ms floor (issue 30; docs/simulation.md,
+// "Cost model"). (Before 2026-12-07 the roofline term was one expert's for every k, so a
+// k-expert curve beyond the grid grew k times too slowly.)
+double curve_ms(const std::vector<std::pair<double, double>>& pts, double k, double rows,
                 const Roofline* roof, double eta, bool backward) {
   if (rows <= pts.front().first) return pts.front().second;
   for (size_t j = 1; j < pts.size(); ++j) {
@@ -48,7 +51,7 @@ double curve_ms(const std::vector<std::pair<double, double>>& pts, double rows,
   }
   const auto& b = pts.back();
   if (roof)
-    return b.second + (roof->expert_ms(rows, backward) - roof->expert_ms(b.first, backward)) / eta;
+    return b.second + k * (roof->expert_ms(rows, backward) - roof->expert_ms(b.first, backward)) / eta;
   double slope = 0.0;
   if (pts.size() > 1) {
     const auto& a = pts[pts.size() - 2];
@@ -139,7 +142,7 @@ double GemmTable::ms(double k, double rows, bool backward) const {
   const double per_expert = rows / k;
   const Roofline* roof = has_roof_ ? &roof_ : nullptr;
   const double eta = backward ? eta_bwd_ : eta_fwd_;
-  const double t = along_k(k, [&](size_t j) { return curve_ms(curves[j], per_expert, roof, eta, backward); });
+  const double t = along_k(k, [&](size_t j) { return curve_ms(curves[j], k_[j], per_expert, roof, eta, backward); });
   if (!has_roof_) return t;
   // the floor: k experts of rows / k each (a fractional k counts as its share of one)
   const double floor = k * roof_.expert_ms(per_expert, backward) + roof_.launch_us * 1e-3;
@@ -156,7 +159,7 @@ double GemmTable::ms_instances(const std::vector<double>& rows_I, bool backward)
   const double t = along_k(k, [&](size_t j) {
     double sum = 0;
     for (double r : rows_I)
-      if (r > 0) sum += curve_ms(curves[j], r, roof, eta, backward);
+      if (r > 0) sum += curve_ms(curves[j], k_[j], r, roof, eta, backward);
     return sum / k;
   });
   return has_roof_ ? std::max(t, roof_.rank_ms(rows_I, backward)) : t;

@@ -89,6 +89,14 @@ def add_sim_arguments(p) -> None:
                         "lrmoe.workload.loads.counts_loads); not with --trace or --drift")
     p.add_argument("--counts-start", type=int, default=0, metavar="STEP",
                    help="--counts: the recorded step simulated step 0 replays")
+    p.add_argument("--counts-control", default="real",
+                   choices=("real", "shuffled", "frozen", "ranked"),
+                   help="--counts: matched-skew controls (lrmoe.workload.loads."
+                        "counts_popularity): 'shuffled' permutes each step's recorded "
+                        "expert ids (same skew, no persistence), 'frozen' repeats step "
+                        "--counts-start (one step's skew, full persistence), 'ranked' gives "
+                        "each step's own loads in step --counts-start's order (same skew, "
+                        "fixed ranking); default 'real', the recording as it is")
     p.add_argument("--rate", type=float, default=0.3, help="lrmoe recalibration rate c")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     p.add_argument("--budget-gib", type=float, default=80.0)
@@ -415,7 +423,10 @@ def run_sim(args) -> dict:
         from lrmoe.workload.loads import counts_popularity
         counts_popularity(args.counts, MODELS[args.model].num_experts, args.steps,
                           args.layers or MODELS[args.model].moe_layers, args.counts_start,
-                          flag="--counts")
+                          flag="--counts", control=getattr(args, "counts_control", "real"))
+    elif getattr(args, "counts_control", "real") != "real":
+        raise ValueError(f"--counts-control {args.counts_control} changes replayed counts; "
+                         "give --counts FILE.npz too, or drop --counts-control")
     if any(not m > 0 for m in args.pressure):
         raise ValueError(f"--pressure multipliers must be > 0, got {args.pressure}")
     e = MODELS[args.model].num_experts
@@ -455,7 +466,8 @@ def run_sim(args) -> dict:
     loads = cluster_loads(args.gpus, shape.num_experts, args.tokens_per_gpu, shape.top_k,
                             args.steps, layers, args.skew, args.trace, args.seed,
                             drift=args.drift_fit, counts=getattr(args, "counts", None),
-                            counts_start=getattr(args, "counts_start", 0))
+                            counts_start=getattr(args, "counts_start", 0),
+                            counts_control=getattr(args, "counts_control", "real"))
     out: dict = dict(label=SIMULATED, note="every number here is simulated by lrmoe sim "
                      "(csrc/sim) from a cost model, not measured", paper=PAPER,
                      setup=dict(model=args.model, gpus=args.gpus, steps=args.steps,
@@ -476,7 +488,8 @@ def run_sim(args) -> dict:
                                 drift=None if args.drift_fit is None else
                                 dict(zip(("phi", "sigma", "jitter"), args.drift_fit)),
                                 counts=getattr(args, "counts", None),
-                                counts_start=getattr(args, "counts_start", 0)),
+                                counts_start=getattr(args, "counts_start", 0),
+                                counts_control=getattr(args, "counts_control", "real")),
                      costs=dict(file=args.costs, shape=costs.shape, meta=costs.meta),
                      links=dict(name=links.name, sources=links.sources,
                                 per_peer_us=links.per_peer_us, chunks=links.chunks,
@@ -564,7 +577,8 @@ def pressure(args, shape, costs, links, layers) -> dict:
                             shape.top_k, args.pressure_steps, few, args.skew, args.trace,
                             args.seed + 1, drift=getattr(args, "drift_fit", None),
                             counts=getattr(args, "counts", None),
-                            counts_start=getattr(args, "counts_start", 0))
+                            counts_start=getattr(args, "counts_start", 0),
+                            counts_control=getattr(args, "counts_control", "real"))
     act = _activations(args, shape)
     mem = _memory(shape, args, args.offload or getattr(args, "activations", "") == "offload")
     out: dict = {"multipliers": list(args.pressure), "base_tokens_per_gpu":
@@ -638,7 +652,8 @@ def scale(args, shape, costs, links, layers) -> dict:
                                         args.seed + 2, group=g,
                                         drift=getattr(args, "drift_fit", None),
                                         counts=getattr(args, "counts", None),
-                                        counts_start=getattr(args, "counts_start", 0))
+                                        counts_start=getattr(args, "counts_start", 0),
+                                        counts_control=getattr(args, "counts_control", "real"))
                           for g in range(groups)],
                          axis=1)
         model = S.step_model(shape, groups, args.hbm_gbps, args.dense_params, layers)

@@ -190,12 +190,15 @@ def cluster_loads(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k:
                   steps: int, layers: int, max_over_mean: float = 2.0,
                   trace: Optional[str] = None, seed: int = 0, group: int = 0,
                   drift: Optional[Tuple[float, ...]] = None, counts=None,
-                  counts_start: int = 0) -> np.ndarray:
+                  counts_start: int = 0, counts_control: str = "real") -> np.ndarray:
     """(S, Lyr, W, E) int64 routed pairs for a cluster.
 
     ``counts`` (a counts .npz path or (S_rec, L_rec, E_rec) int array): replay recorded
     popularity, :func:`counts_loads` from recorded step ``counts_start`` (not with
     ``trace`` or ``drift``; ``max_over_mean`` is unused: the recording has its own skew).
+    ``counts_control`` (``real``, ``shuffled``, ``frozen``, ``ranked``;
+    :func:`counts_popularity`) keeps each step's recorded skew and changes its
+    persistence; anything but ``real`` without ``counts`` is refused.
 
     ``group`` numbers one expert-parallel group of a larger cluster (its data-parallel
     copies route other tokens through the same model): it changes the draws, never a
@@ -219,7 +222,8 @@ def cluster_loads(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k:
 
     Raises:
         ValueError: non-positive sizes, a trace of another E / top_k, ``drift`` with a
-            trace, or a bad (phi, sigma).
+            trace, a bad (phi, sigma), or a ``counts_control`` other than ``real``
+            without ``counts``.
     """
     if group < 0:
         raise ValueError(f"group must be >= 0 (an EP group's index), got {group}")
@@ -232,7 +236,10 @@ def cluster_loads(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k:
             raise ValueError("counts replays recorded popularity; pass one of counts, trace "
                              "and drift")
         return counts_loads(counts, num_ranks, num_experts, tokens_per_rank, top_k, steps,
-                            layers, counts_start, seed, group)
+                            layers, counts_start, seed, group, control=counts_control)
+    if counts_control != "real":
+        raise ValueError(f"counts_control {counts_control!r} changes replayed counts; pass "
+                         "counts too")
     out = np.zeros((steps, layers, num_ranks, num_experts), dtype=np.int64)
     if drift is not None and trace is not None:
         raise ValueError("drift is for synthetic loads; a trace replays its recorded steps "
@@ -278,8 +285,13 @@ def cluster_loads(num_ranks: int, num_experts: int, tokens_per_rank: int, top_k:
     return out
 
 
+#: ``control`` of :func:`counts_popularity`: the replay and its matched-skew controls
+COUNTS_CONTROLS = ("real", "shuffled", "frozen", "ranked")
+
+
 def counts_popularity(counts, num_experts: int, steps: int, layers: int,
-                      start: int = 0, flag: str = "counts") -> np.ndarray:
+                      start: int = 0, flag: str = "counts", control: str = "real",
+                      seed: int = 0) -> np.ndarray:
     """(S, Lyr, E) float64 popularity replayed from recorded routed counts (issue 30).
 
     ``counts`` is a counts .npz (``count_SLE``, experiments/trace_drift.py --counts) or an
@@ -290,12 +302,31 @@ def counts_popularity(counts, num_experts: int, steps: int, layers: int,
     (contiguous, so under fixed ownership e / (E / W) every rank carries the recorded
     model's rank loads at EP W); any other E is refused.
 
+    ``control`` separates the recording's skew from its persistence (which recorded
+    experts stay hot from step to step, what SYMI's one-step lag pays for). Each acts on
+    the recorded counts of one (step, layer), over the E_rec recorded experts, before
+    the split, so the r children of a recorded expert stay contiguous as in the replay:
+
+    * ``real``: the recording as it is (the replay).
+    * ``shuffled``: each (step, layer)'s counts permuted over the recorded expert ids,
+      independently per step and layer (``np.random.default_rng([seed, l, s, 6])``, l
+      the simulated layer, s the simulated step): every step keeps the real step's load
+      multiset, but which expert is hot is redrawn every step (no persistence).
+    * ``frozen``: recorded step ``start`` repeated for every simulated step (each layer
+      its own): the skew of one real step and full persistence (a fixed popularity).
+    * ``ranked``: every step's own counts, sorted and handed out in the order of step
+      ``start``'s ranking (its hottest expert gets the step's largest count; ties by
+      expert id): each step's real load multiset, with the ranking held fixed.
+
     Raises:
         ValueError: a file that is not a counts npz, wrong shapes or negative counts, a
-            (step, layer) with no pairs, an out-of-range window, or an E that is not a
-            multiple of E_rec (each naming ``flag``).
+            (step, layer) with no pairs, an out-of-range window, an E that is not a
+            multiple of E_rec, or an unknown ``control`` (each naming ``flag``).
         FileNotFoundError: no file at ``counts``.
     """
+    if control not in COUNTS_CONTROLS:
+        raise ValueError(f"{flag}: unknown counts control {control!r}; pick one of "
+                         f"{', '.join(COUNTS_CONTROLS)}")
     if isinstance(counts, (str, os.PathLike)):
         if not os.path.isfile(counts):
             raise FileNotFoundError(f"{flag} {counts}: no such file")
@@ -326,22 +357,39 @@ def counts_popularity(counts, num_experts: int, steps: int, layers: int,
     tot = w.sum(axis=2, keepdims=True)
     if (tot == 0).any():
         raise ValueError(f"{flag}: a recorded (step, layer) has no routed pairs")
+    if control == "frozen":
+        w = np.repeat(w[:1], steps, axis=0)
+    elif control == "ranked":
+        # step start's experts by falling count (stable: ties by id), per layer
+        order = np.argsort(-w[0], axis=1, kind="stable")  # (Lyr, E_rec)
+        srt = -np.sort(-w, axis=2)  # each step's counts, largest first
+        out = np.empty_like(w)
+        for l in range(layers):
+            out[:, l, order[l]] = srt[:, l]
+        w = out
+    elif control == "shuffled":
+        w = w.copy()
+        for s in range(steps):
+            for l in range(layers):
+                w[s, l] = w[s, l, np.random.default_rng([seed, l, s, 6]).permutation(E_rec)]
+    tot = w.sum(axis=2, keepdims=True)
     r = num_experts // E_rec
     return np.repeat(w / tot / r, r, axis=2)
 
 
 def counts_loads(counts, num_ranks: int, num_experts: int, tokens_per_rank: int,
                  top_k: int, steps: int, layers: int, start: int = 0, seed: int = 0,
-                 group: int = 0, flag: str = "counts") -> np.ndarray:
+                 group: int = 0, flag: str = "counts", control: str = "real") -> np.ndarray:
     """(S, Lyr, W, E) int64 routed pairs drawn from recorded popularity
-    (:func:`counts_popularity`): each source rank draws ``tokens_per_rank x top_k`` pairs,
-    multinomial, seeded per (step, layer, group) as the synthetic path, so DP groups see
-    the same popularity through other draws.
+    (:func:`counts_popularity`, its ``control`` too; a shuffle is seeded by ``seed``, not
+    ``group``): each source rank draws ``tokens_per_rank x top_k`` pairs, multinomial,
+    seeded per (step, layer, group) as the synthetic path, so DP groups see the same
+    popularity through other draws.
 
     Raises:
         ValueError / FileNotFoundError: what :func:`counts_popularity` raises.
     """
-    p = counts_popularity(counts, num_experts, steps, layers, start, flag)
+    p = counts_popularity(counts, num_experts, steps, layers, start, flag, control, seed)
     out = np.empty((steps, layers, num_ranks, num_experts), dtype=np.int64)
     for s in range(steps):
         for l in range(layers):

@@ -498,6 +498,23 @@ TEST(Roofline, BeyondTheGridAtTheMarginalEfficiency) {
   EXPECT_NEAR(t.ms(1, 3072, false), 1.2265 + (1.3180 - 1.2265) * 0.5, 1e-12);
 }
 
+// A k-expert curve is the time of k experts, so beyond the grid it grows by k experts'
+// roofline time (the marginal efficiency is measured on k x one expert's roofline too).
+// Until 2026-12-07 it grew by one expert's: the 4-expert curve below came out at about a
+// quarter of its extra time, and `lrmoe sim --validate` (one GPU, 128 instances, hot
+// experts past 8,192 rows) 16-25 % short.
+TEST(Roofline, BeyondTheGridAKExpertCurveAddsKExperts) {
+  const sim::GemmTable t(kQwen3Grid, qwen3_h200());
+  const double eta = 4 * (hand_floor_ms(8192, false) - hand_floor_ms(4096, false)) / (2.1302 - 1.8690);
+  // 4 experts of 65,536 rows each: the 4-expert curve's last point plus 4 experts' extra
+  const double want = 2.1302 + 4 * (hand_floor_ms(65536, false) - hand_floor_ms(8192, false)) / eta;
+  EXPECT_NEAR(t.ms(4, 4 * 65536.0, false), want, 1e-9);
+  EXPECT_GT(want, 4 * hand_floor_ms(65536, false) + 0.01);  // above the floor: not the floor's
+  // per instance: one of the 4 instances at 65,536 rows, three at 8,192 (the last point)
+  const double inst = (want + 3 * 2.1302) / 4;
+  EXPECT_NEAR(t.ms_instances({65536.0, 8192.0, 8192.0, 8192.0}, false), inst, 1e-9);
+}
+
 // Zipf-1 loads of `pairs` routed pairs per source over E experts (hot experts at ids
 // drawn by a fixed LCG), +-20 % per source.
 std::vector<int64_t> zipf_loads(int32_t W, int32_t E, int64_t pairs, uint64_t seed) {

@@ -113,3 +113,23 @@ def test_sim_drift_replays_the_committed_counts_and_refuses_a_window_past_them(t
     with pytest.raises((ValueError, SystemExit)):
         sim_drift.main(["--seeds", "0", "--drift", "counts:1199", "--steps", "2",
                         "--layers", "2", "--costs", COSTS, "--out", str(tmp_path / "late")])
+
+
+def test_sim_drift_runs_the_counts_controls_and_refuses_a_bad_one(tmp_path):
+    # counts-shuffled:N / counts-frozen:N end to end (lrmoe sim --counts-control), and
+    # their loads differ from the replay's where they should (same recording, same seed)
+    import sim_drift
+
+    sim_drift.main(["--seeds", "0", "--drift", "counts:600", "counts-shuffled:600",
+                    "counts-frozen:600", "--steps", "2", "--layers", "2", "--costs", COSTS,
+                    "--out", str(tmp_path)])
+    table = strict_load(tmp_path / "sim_drift.json")["table"]
+    assert set(table) == {"counts:600", "counts-shuffled:600", "counts-frozen:600"}
+    real, shuf = (strict_load(tmp_path / f"{d}-0" / "sim.json")["setup"]
+                  for d in ("counts_600", "counts-shuffled_600"))
+    assert real["counts_control"] == "real" and shuf["counts_control"] == "shuffled"
+    assert table["counts-shuffled:600"]["fixed"]["mean"] != table["counts:600"]["fixed"]["mean"]
+    for bad in ("counts-reversed:600", "counts-frozen:x"):
+        with pytest.raises(ValueError, match="--drift"):
+            sim_drift.main(["--seeds", "0", "--drift", bad, "--steps", "2", "--layers", "2",
+                            "--costs", COSTS, "--out", str(tmp_path / "bad")])
