@@ -121,7 +121,8 @@ def _check_exact(rank, world):
     want_one = _run(single, x, g)
     # the parameters are torchtitan's DTensors, sharded over the 2 ranks
     assert type(ours.routed_experts.inner_experts.w1_EFD).__name__ == "DTensor"
-    assert ours.routed_experts.lrmoe_core.routes.world_size == world
+    routes = ours.routed_experts.lrmoe_core.routes
+    assert routes.world_size == world
     assert set(got[2]) == set(want_ep[2]) and len(got[2]) == 7  # gate, w1-3, shared w1-3
     _close(got[0], want_ep[0], "out vs torchtitan EP")
     _close(got[1], want_ep[1], "dx vs torchtitan EP")
@@ -140,6 +141,9 @@ def _check_exact(rank, world):
     # the dispatcher's counters stay torchtitan's: MoE.forward counts local routing
     torch.testing.assert_close(ours.tokens_per_expert_E, titan_ep.tokens_per_expert_E,
                                rtol=0, atol=0)
+    with torch.no_grad():  # made once, at the first forward (one config check)
+        ours(x[mine])
+    assert ours.routed_experts.lrmoe_core.routes is routes
     _check_refusals(mesh)
 
 
