@@ -24,12 +24,28 @@ and the weights with ``.bfloat16()`` and the output back with ``type_as(x)``), u
 each forward concatenates ``w1_EFD`` and ``w3_EFD`` (a differentiable ``torch.cat``: one
 copy of those weights per call, their gradients split back by autograd).
 
-Not mapped (``NotImplementedError`` at the first forward, naming the module): expert
-weights that are DTensors inside the forward (expert or tensor parallelism: EP through
-lrmoe's dispatcher is not wired to torchtitan's EP mesh yet), a token dispatcher with an
-EP mesh of more than one rank, and ``GroupedExperts`` subclasses (e.g. the MXFP8
-converter's, which replace its grouped GEMM). FSDP2 alone is fine: it hands the forward
-whole, plain tensors.
+Expert parallelism: after torchtitan's ``RoutedExperts.parallelize`` the expert weights
+are ``Shard(0)`` DTensors of the 1-D "ep" mesh (rank d holds experts ``[d*E/W,
+(d+1)*E/W)``) and ``token_dispatcher.ep_mesh`` is that mesh (W ranks). The swapped forward
+then takes the local shards (``to_local()``: differentiable, so the DTensor gradients and
+FSDP2 are fed as by ``GroupedExperts.forward``) and runs them through lrmoe's
+:class:`lrmoe.parallel.function.ExpertParallelFunction` over ``ep_mesh.get_group()``:
+lrmoe's all-to-all replaces the dispatcher's (whose ``dispatch``/``combine`` are not
+called), and its backward sends only the kept token-expert rows. The routes
+(:class:`lrmoe.parallel.routes.EPRoutes` with ``presharded=True``: nothing re-sharded) are
+made at the first EP forward, a collective config check over the group. The router, the
+expert bias and ``MoE.tokens_per_expert_E`` (counted in ``MoE.forward`` from the local
+routing, before the routed experts) are torchtitan's under EP too.
+
+Not mapped (``NotImplementedError`` at the first forward, naming the module and the fix):
+tensor parallelism on the experts (DTensor weights on a 2-D mesh or placed other than
+``Shard(0)``), E not divisible by the EP size, an EP token dispatcher other than
+torchtitan's ``AllToAllTokenDispatcher`` (DeepEP, HybridEP, MinimalAsyncEP), and
+``GroupedExperts`` subclasses (e.g. the MXFP8 converter's, which replace its grouped GEMM;
+refused by :func:`swap_moe`). ``retained_mass_target`` > 0 is refused under EP
+(ValueError: EP fixes its quotas in the forward). FSDP2 alone is fine: it hands the
+forward whole, plain tensors. :func:`swap_moe` must run before torchtitan's
+``parallelize`` (which captures the forward it wraps; a parallelized module is refused).
 
 The same from torchtitan's config, before the model is built: the override
 :func:`lrmoe.integrations.torchtitan_override.lrmoe_moe` (``--override.imports``).
@@ -49,6 +65,7 @@ from lrmoe.layer import MoECore
 from lrmoe.moe.config import BACKWARD_FIELDS, BackwardConfig, LRMoEConfig
 from lrmoe.moe.router import Routing
 from lrmoe.moe.stats import BackwardStats
+from lrmoe.parallel.routes import EPRoutes
 
 #: the torchtitan release whose MoE module this mapping is tested against
 TESTED_TORCHTITAN = "0.3.0"
@@ -132,42 +149,58 @@ class LRMoERoutedExperts:
                 num_local_tokens_per_expert_E: Tensor) -> Tensor:
         """Dispatch, experts and combine of torchtitan's ``RoutedExperts``, by lrmoe.
 
+        On one device (or FSDP2 alone) every expert runs here
+        (:class:`lrmoe.parallel.routes.LocalRoutes`). Under expert parallelism (the
+        dispatcher's ``ep_mesh`` has W > 1 ranks, the weights are ``Shard(0)`` DTensors
+        of that mesh) the local shards (``to_local()``, differentiable) run through
+        :class:`lrmoe.parallel.function.ExpertParallelFunction` over
+        ``ep_mesh.get_group()``: lrmoe's all-to-all replaces the dispatcher's, and the
+        backward sends only the kept rows. The routes are made at the first EP forward
+        (a collective config check over the group).
+
         Args:
-            x_BLD: (B, L, D) float input (fp32/bf16).
+            x_BLD: (B, L, D) float input (fp32/bf16), this rank's tokens.
             topk_scores_BLK: (B, L, K) routing scores (float32 from torchtitan's router).
-            topk_expert_ids_BLK: (B, L, K) int64 expert ids.
-            num_local_tokens_per_expert_E: (E,) counts (unused: lrmoe counts itself).
+            topk_expert_ids_BLK: (B, L, K) int64 global expert ids.
+            num_local_tokens_per_expert_E: (E,) counts (unused: lrmoe counts itself;
+                ``MoE.tokens_per_expert_E`` is fed by torchtitan's ``MoE.forward``).
 
         Returns:
             (B, L, D) routed output in the dtype of ``x_BLD``.
 
         Raises:
-            NotImplementedError: DTensor expert weights (EP/TP), or a dispatcher with an
-                EP mesh of more than one rank.
-            ValueError: a non-floating input or one whose last dimension is not D.
+            NotImplementedError: a sharding lrmoe does not map (see
+                :func:`local_expert_weights`).
+            ValueError: a non-floating input or one whose last dimension is not D; under
+                EP, ranks with different settings or ``retained_mass_target`` > 0.
         """
         del num_local_tokens_per_expert_E
-        experts = self.inner_experts
-        w1_EFD, w2_EDF, w3_EFD = experts.w1_EFD, experts.w2_EDF, experts.w3_EFD
-        _check_local(self, w1_EFD)
         cfg = self.lrmoe_config
-        if not x_BLD.is_floating_point() or x_BLD.shape[-1] != cfg.hidden_size:
-            raise ValueError(
-                f"LRMoE torchtitan layer {self.lrmoe_layer_index}: input must be a float "
-                f"(B, L, D = {cfg.hidden_size}) tensor, got {x_BLD.dtype} "
-                f"{tuple(x_BLD.shape)}")
-        batch, _, dim = x_BLD.shape
-        k = topk_expert_ids_BLK.shape[-1]
-        dtype = torch.bfloat16 if self.lrmoe_expert_dtype == "bfloat16" else x_BLD.dtype
-        x_TD = x_BLD.reshape(-1, dim)
-        routing = Routing(logits_TE=None, probs_TE=None,  # only weights and ids are read
-                          weights_TK=topk_scores_BLK.reshape(-1, k).float(),
-                          expert_ids_TK=topk_expert_ids_BLK.reshape(-1, k).long())
-        # [gate; up] rows: lrmoe's (E, 2F, D) layout (lrmoe/layer.py RoutedExperts)
-        w_gate_up = torch.cat([w1_EFD, w3_EFD], dim=1).to(dtype)
-        out_TD = self.lrmoe_core.run_experts(cfg, x_TD.to(dtype), routing,
-                                             w_gate_up, w2_EDF.to(dtype))
+        w1_EFD, w2_EDF, w3_EFD, group = local_expert_weights(self)
+        if group is not None and getattr(self.lrmoe_core.routes, "ep_group", None) is not group:
+            self.lrmoe_core.routes = EPRoutes(cfg, None, group, where=self._lrmoe_where(),
+                                              presharded=True)
+        with self.lrmoe_core.before_dispatch(cfg):  # under EP: the others fail at once
+            if not x_BLD.is_floating_point() or x_BLD.shape[-1] != cfg.hidden_size:
+                raise ValueError(
+                    f"{self._lrmoe_where()}: input must be a float (B, L, D = "
+                    f"{cfg.hidden_size}) tensor, got {x_BLD.dtype} {tuple(x_BLD.shape)}")
+            batch, _, dim = x_BLD.shape
+            k = topk_expert_ids_BLK.shape[-1]
+            dtype = torch.bfloat16 if self.lrmoe_expert_dtype == "bfloat16" else x_BLD.dtype
+            x_TD = x_BLD.reshape(-1, dim)
+            routing = Routing(logits_TE=None, probs_TE=None,  # only weights and ids are read
+                              weights_TK=topk_scores_BLK.reshape(-1, k).float(),
+                              expert_ids_TK=topk_expert_ids_BLK.reshape(-1, k).long())
+            # [gate; up] rows: lrmoe's (E, 2F, D) layout (lrmoe/layer.py RoutedExperts);
+            # under EP these are this rank's El experts
+            w_gate_up = torch.cat([w1_EFD, w3_EFD], dim=1).to(dtype)
+            w_down = w2_EDF.to(dtype)
+        out_TD = self.lrmoe_core.run_experts(cfg, x_TD.to(dtype), routing, w_gate_up, w_down)
         return out_TD.to(x_BLD.dtype).view(batch, -1, dim)
+
+    def _lrmoe_where(self) -> str:
+        return f"LRMoE torchtitan layer {self.lrmoe_layer_index}"
 
     def set_recalibration(self, **changes: Any) -> None:
         """Change planned-backward fields (``recalibration_rate=0.1``, ...) in place.
@@ -182,17 +215,73 @@ class LRMoERoutedExperts:
         return self.lrmoe_core.stats.summary()
 
 
-def _check_local(module: Any, w1_EFD: Tensor) -> None:
-    """Raise NotImplementedError when the experts are sharded (EP/TP) in the forward."""
-    from torch.distributed.tensor import DTensor
+def local_expert_weights(module: Any) -> Tuple[Tensor, Tensor, Tensor, Any]:
+    """The expert weights the forward of a swapped ``RoutedExperts`` computes with.
+
+    Returns:
+        ``(w1_EFD, w2_EDF, w3_EFD, group)``: plain tensors (local shards through the
+        differentiable ``DTensor.to_local()``, so torchtitan's DTensor gradients and
+        FSDP2 are fed as by ``GroupedExperts.forward``) and the EP process group (None
+        without EP). Under EP the shards hold El = E / W experts, rank d's
+        ``[d*El, (d+1)*El)`` (``Shard(0)``, as torchtitan's ``RoutedExperts.parallelize``
+        lays them out).
+
+    Raises:
+        NotImplementedError, naming the layer and the fix: weights that are DTensors on a
+            mesh of more than one dimension or placed other than ``Shard(0)`` (tensor
+            parallelism on the experts, ETP), DTensor weights sharded over more ranks
+            than the dispatcher's ``ep_mesh`` (none wired), an EP mesh with plain
+            weights of other than E / W rows, E not divisible by W, or an EP token
+            dispatcher other than torchtitan's ``AllToAllTokenDispatcher``.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+    where = module._lrmoe_where()
+    experts = module.inner_experts
+    weights = [experts.w1_EFD, experts.w2_EDF, experts.w3_EFD]
     mesh = getattr(module.token_dispatcher, "ep_mesh", None)
-    if isinstance(w1_EFD, DTensor) or (mesh is not None and mesh.size() > 1):
+    world = 1 if mesh is None else mesh.size()
+    num_experts = module.lrmoe_config.num_experts
+    local = []
+    for name, w in zip(("w1_EFD", "w2_EDF", "w3_EFD"), weights):
+        if isinstance(w, DTensor):
+            if w.device_mesh.ndim != 1 or (w.device_mesh.size() > 1 and
+                                           tuple(w.placements) != (Shard(0),)):
+                raise NotImplementedError(
+                    f"{where}: inner_experts.{name} is a DTensor on a "
+                    f"{w.device_mesh.ndim}-D mesh with placements {tuple(w.placements)}; "
+                    "lrmoe maps only expert parallelism (Shard(0) on the 1-D ep mesh): "
+                    "set expert_tensor_parallel_degree = tensor_parallel_degree = 1, or "
+                    "do not swap")
+            if w.device_mesh.size() > world:
+                raise NotImplementedError(
+                    f"{where}: inner_experts.{name} is sharded over "
+                    f"{w.device_mesh.size()} ranks but the token dispatcher has "
+                    f"{'no ep_mesh' if mesh is None else f'an ep_mesh of {world}'}; call "
+                    "torchtitan's RoutedExperts.parallelize (or token_dispatcher."
+                    "wire_meshes(ep_mesh=...)) on the mesh the weights are sharded over")
+            w = w.to_local()
+        local.append(w)
+    if world == 1:
+        return local[0], local[1], local[2], None
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+    if not isinstance(module.token_dispatcher, AllToAllTokenDispatcher):
         raise NotImplementedError(
-            f"LRMoE torchtitan layer {module.lrmoe_layer_index}: the experts are sharded "
-            "(expert or tensor parallelism: DTensor weights or an EP mesh of "
-            f"{mesh.size() if mesh is not None else '?'} ranks); lrmoe.integrations."
-            "torchtitan runs the experts whole on each rank (FSDP2 / data parallel only). "
-            "Set expert_parallel_degree = tensor_parallel_degree = 1, or do not swap")
+            f"{where}: under EP lrmoe's all-to-all replaces torchtitan's token dispatcher, "
+            f"mapped (and tested) for its AllToAllTokenDispatcher only, not "
+            f"{type(module.token_dispatcher).__name__}; use comm_backend='standard' "
+            "(the default all-to-all) or do not swap")
+    if num_experts % world:
+        raise NotImplementedError(
+            f"{where}: num_experts={num_experts} is not divisible by the EP size {world}; "
+            "lrmoe's expert parallelism needs E / W experts on every rank: choose "
+            "expert_parallel_degree dividing the number of experts")
+    rows = [int(w.shape[0]) for w in local]
+    if rows != [num_experts // world] * 3:
+        raise NotImplementedError(
+            f"{where}: the token dispatcher's ep_mesh has {world} ranks but this rank's "
+            f"expert weights have {rows} rows, not E / W = {num_experts // world}; shard "
+            "them with torchtitan's RoutedExperts.parallelize (Shard(0) on the ep mesh)")
+    return local[0], local[1], local[2], mesh.get_group()
 
 
 def require_torchtitan(what: str = "lrmoe.integrations.torchtitan") -> Any:
@@ -248,7 +337,7 @@ def swap_moe(model: nn.Module, config: Optional[LRMoETitanConfig] = None
         ModuleNotFoundError: torchtitan is not importable (naming the requirements file).
         TypeError: ``config`` is not an :class:`LRMoETitanConfig`.
         ValueError: an invalid setting (naming the field), no torchtitan MoE in
-            ``model``, or a model already swapped.
+            ``model``, a model already swapped, or one already parallelized.
         NotImplementedError: an MoE whose experts are not torchtitan's plain
             ``GroupedExperts`` (naming the module and its class).
     """
@@ -270,6 +359,11 @@ def swap_moe(model: nn.Module, config: Optional[LRMoETitanConfig] = None
         if isinstance(routed, LRMoERoutedExperts):
             raise ValueError(f"swap_moe: {name!r} is already swapped; swap a model once "
                              "and change settings with set_recalibration(model, ...)")
+        if getattr(routed, "_parallelized", False) or "forward" in vars(routed):
+            # Module.parallelize wraps the bound forward it found (torchtitan's
+            # protocols/module.py): a class swapped afterwards would never run
+            raise ValueError(f"swap_moe: {name!r} is already parallelized; call swap_moe "
+                             "on the built model before torchtitan's parallelize")
         if type(routed) is not moe_mod.RoutedExperts or \
                 type(routed.inner_experts) is not moe_mod.GroupedExperts:
             raise NotImplementedError(

@@ -19,9 +19,11 @@ function per backend.
   (:class:`lrmoe.parallel.function.ExpertParallelFunction`), optionally with a placement
   policy's plan and replicas (:class:`lrmoe.parallel.replicas.ReplicaState`).
 
-Another backend (DeepEP's kernels, a torchtitan device mesh) plugs in here: a subclass of
-:class:`Routes` with its own :meth:`~Routes.run`, chosen in :func:`make_routes`; the
-layers (``lrmoe/layer.py``, ``lrmoe/integrations/transformers.py``) do not change.
+Another backend (DeepEP's kernels) plugs in here: a subclass of :class:`Routes` with its
+own :meth:`~Routes.run`, chosen in :func:`make_routes`; the layers (``lrmoe/layer.py``,
+``lrmoe/integrations/transformers.py``) do not change. Experts sharded by someone else
+(torchtitan's EP mesh: lrmoe/integrations/torchtitan.py) use :class:`EPRoutes` with
+``presharded=True``.
 """
 from __future__ import annotations
 
@@ -111,32 +113,48 @@ class EPRoutes(Routes):
 
     Constructing it is a collective over the group: the config (and placement) check
     across ranks, then ``experts`` is sharded in place to this rank's El = E / W experts
-    (:func:`lrmoe.parallel.data_parallel.shard_experts`). Every :meth:`run` (forward and
-    backward) is a collective too.
+    (:func:`lrmoe.parallel.data_parallel.shard_experts`), unless ``presharded``. Every
+    :meth:`run` (forward and backward) is a collective too.
 
     Args:
         config: the layer's :class:`LRMoEConfig`.
-        experts: the module with ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I).
+        experts: the module with ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I);
+            unused (may be None) when ``presharded`` without a placement.
         ep_group: the ``torch.distributed`` group.
         placement: a :class:`lrmoe.parallel.placement.Placement` or None (fixed ownership
             without the planner).
         where: the layer's name for error messages.
+        presharded: True when the caller already holds rank d's experts
+            ``[d*El, (d+1)*El)`` and passes them to :meth:`run` itself (torchtitan's
+            ``Shard(0)`` DTensor experts, lrmoe/integrations/torchtitan.py): nothing is
+            re-sharded; only E divisible by W is checked.
 
     Raises:
         ValueError: ranks with different MoE configs or placements, E not divisible by
-            W, or ``retained_mass_target`` > 0 (the adaptive rate is one device only).
+            W, a placement with ``presharded`` (replicas need lrmoe's own expert module),
+            or ``retained_mass_target`` > 0 (the adaptive rate is one device only).
     """
 
-    def __init__(self, config: LRMoEConfig, experts: nn.Module, ep_group,
-                 placement: Optional[Placement] = None, where: str = "LRMoELayer") -> None:
+    def __init__(self, config: LRMoEConfig, experts: Optional[nn.Module], ep_group,
+                 placement: Optional[Placement] = None, where: str = "LRMoELayer",
+                 presharded: bool = False) -> None:
+        if presharded and placement is not None:
+            raise ValueError(f"{where}: a placement policy ({placement.policy!r}) moves "
+                             "lrmoe's own expert weights; with presharded experts use "
+                             "policy=None")
         self.ep_group = ep_group
         self.replicas = (None if placement is None
                          else ReplicaState(placement, config, experts))
         check_config_across_ranks(config, ep_group, placement)
         refuse_adaptive_rate(config, where)
-        shard_experts(experts, config.num_experts, ep_group, where)
         self.world_size = dist.get_world_size(ep_group)
         self.rank = dist.get_rank(ep_group)
+        if not presharded:
+            shard_experts(experts, config.num_experts, ep_group, where)
+        elif config.num_experts % self.world_size:
+            raise ValueError(f"{where}: num_experts={config.num_experts} is not divisible "
+                             f"by the expert-parallel size {self.world_size}; choose E a "
+                             "multiple of the EP size")
 
     def run(self, config: LRMoEConfig, x_TH: Tensor, routing: Routing, w_gate_up_X2IH: Tensor,
             w_down_XHI: Tensor, stats: BackwardStats) -> Tensor:
