@@ -149,10 +149,16 @@ class StepReadout:
             diagnostics, extra: see :class:`PendingStep`.
         """
         dev = nll_total.device
-        nan = torch.full((), float("nan"), device=dev)
-        parts = [nll_total.detach().float().reshape(()),
-                 nan if aux_total is None else aux_total.detach().float().reshape(()),
-                 torch.as_tensor(grad_norm, dtype=torch.float32, device=dev).detach().reshape(())]
+
+        def scalar(v: Any) -> Tensor:
+            # a host number becomes a fill kernel: torch.as_tensor(float, device=cuda)
+            # would copy from pageable memory, which waits for the whole stream
+            if isinstance(v, Tensor):
+                return v.detach().float().reshape(())
+            return torch.full((), float("nan") if v is None else float(v),
+                              dtype=torch.float32, device=dev)
+
+        parts = [scalar(nll_total), scalar(aux_total), scalar(grad_norm)]
         scalars_3 = to_host(torch.stack(parts))
         spans = self.moe_timer.take() if self.moe_timer is not None else None
         end = self.clock.event()
