@@ -6,7 +6,6 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -112,72 +111,41 @@ std::vector<PressureResult> simulate_pressure_trace(const std::string& policy,
   if (steps < 1 || layers < 1 || loads_SLWE.size() != static_cast<size_t>(steps * layers) * cell)
     throw std::invalid_argument("loads must hold steps x layers x W x E entries");
   if (threads < 1) throw std::invalid_argument("threads must be >= 1");
-  if (!(cfg.replan_threshold < 1.0))
-    throw std::invalid_argument("replan_threshold must be < 0 (hysteresis off) or in [0, 1), got " +
-                                std::to_string(cfg.replan_threshold));
   const bool symi = planner::policy_kind(policy) == planner::PolicyKind::kSymi;
-  const bool hysteresis = cfg.replan_threshold >= 0.0;
-  if (hysteresis && symi)
-    throw std::invalid_argument("replan_threshold (hysteresis, --replan-threshold) applies to "
-                                "fixed, ultraep and lrmoe; symi re-places its slots every step "
-                                "by design: set it < 0 for symi");
   // as simulate_trace: whole layers per thread when a layer's steps depend on each other
-  const bool chained = hysteresis || (cfg.resident_replicas && !symi);
+  const detail::Chaining chain = detail::chaining(cfg, symi);
+  const bool hysteresis = chain.hysteresis, chained = chain.chained;
   const int64_t N = steps * layers, units = chained ? layers : N;
   std::vector<PressureResult> out(static_cast<size_t>(N));
-  std::vector<std::string> errors(static_cast<size_t>(threads));
   std::atomic<int64_t> next{0};
-  auto work = [&](int32_t t) {
+  auto work = [&](int32_t) {
     planner::PlanInput in = base;
-    in.previous_instance_offsets.clear();
-    in.previous_instance_rank.clear();
-    in.previous_instance_rows.clear();
+    detail::clear_previous(&in);
     if (hysteresis) in.replan_threshold = cfg.replan_threshold;
     std::optional<GemmTable> gemm;
     std::vector<int32_t> prev_off, prev_rank;
     planner::Plan plan;
-    try {
-      for (int64_t u = next++; u < units; u = next++) {
-        prev_off.clear();
-        prev_rank.clear();
-        in.previous_instance_offsets.clear();
-        in.previous_instance_rank.clear();
-        in.previous_instance_rows.clear();
-        for (int64_t s = 0; s < (chained ? steps : 1); ++s) {
-          const int64_t j = chained ? s * layers + u : u;
-          const int64_t* now = loads_SLWE.data() + static_cast<size_t>(j) * cell;
-          in.load_WE.assign(now, now + cell);
-          plan = planner::Plan();
-          out[static_cast<size_t>(j)] =
-              pressure_cell(policy, in, multiplier, max_micro, cfg, &gemm,
-                            chained ? &prev_off : nullptr, chained ? &prev_rank : nullptr,
-                            chained ? &plan : nullptr);
-          if (!chained || plan.instance_offsets.empty()) continue;  // no plan: keep the last
-          prev_off = plan.instance_offsets;
-          prev_rank = plan.instance_rank;
-          if (hysteresis) {
-            const size_t W = static_cast<size_t>(plan.num_ranks);
-            in.previous_instance_offsets = plan.instance_offsets;
-            in.previous_instance_rank = plan.instance_rank;
-            in.previous_instance_rows.assign(plan.instance_rank.size(), 0);
-            for (size_t i = 0; i < plan.instance_rank.size(); ++i)
-              for (size_t q = 0; q < W; ++q) in.previous_instance_rows[i] += plan.forward_IW[i * W + q];
-          }
-        }
+    for (int64_t u = next++; u < units; u = next++) {
+      prev_off.clear();
+      prev_rank.clear();
+      detail::clear_previous(&in);
+      for (int64_t s = 0; s < (chained ? steps : 1); ++s) {
+        const int64_t j = chained ? s * layers + u : u;
+        const int64_t* now = loads_SLWE.data() + static_cast<size_t>(j) * cell;
+        in.load_WE.assign(now, now + cell);
+        plan = planner::Plan();
+        out[static_cast<size_t>(j)] =
+            pressure_cell(policy, in, multiplier, max_micro, cfg, &gemm,
+                          chained ? &prev_off : nullptr, chained ? &prev_rank : nullptr,
+                          chained ? &plan : nullptr);
+        if (!chained || plan.instance_offsets.empty()) continue;  // no plan: keep the last
+        prev_off = plan.instance_offsets;
+        prev_rank = plan.instance_rank;
+        if (hysteresis) detail::hand_on(plan, &in);
       }
-    } catch (const std::exception& e) {
-      errors[static_cast<size_t>(t)] = e.what();
     }
   };
-  if (threads == 1) {
-    work(0);
-  } else {
-    std::vector<std::thread> pool;
-    for (int32_t t = 0; t < threads; ++t) pool.emplace_back(work, t);
-    for (auto& th : pool) th.join();
-  }
-  for (const auto& e : errors)
-    if (!e.empty()) throw std::invalid_argument(e);
+  detail::on_threads(threads, work);
   return out;
 }
 

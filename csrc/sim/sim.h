@@ -296,6 +296,27 @@ LayerResult time_plan(const planner::Plan& plan, const planner::PlanInput& in,
                       const SimConfig& cfg, std::optional<GemmTable>* gemm_cache,
                       const std::vector<int32_t>* prev_offsets = nullptr,
                       const std::vector<int32_t>* prev_rank = nullptr);
+
+// How the cells of a trace depend on each other (trace.cpp; simulate_trace and
+// simulate_pressure_trace share it). hysteresis: cfg.replan_threshold >= 0; chained: a
+// layer's steps run in order on one thread (hysteresis, or resident replicas off symi).
+struct Chaining {
+  bool hysteresis = false;
+  bool chained = false;
+};
+// Throws std::invalid_argument for replan_threshold >= 1, or >= 0 with symi.
+Chaining chaining(const SimConfig& cfg, bool symi);
+
+// `plan` as the next step's previous placement in `in` (planner/hysteresis.h): its
+// instances, their ranks and forward rows (summed over sources).
+void hand_on(const planner::Plan& plan, planner::PlanInput* in);
+
+// Clears the previous placement of `in` (a layer's first step).
+void clear_previous(planner::PlanInput* in);
+
+// work(t) for t = 0 .. threads - 1, on threads (inline when threads == 1); after all
+// have joined, the first message a thread threw is rethrown as std::invalid_argument.
+void on_threads(int32_t threads, const std::function<void(int32_t)>& work);
 }  // namespace detail
 
 }  // namespace sim
