@@ -204,6 +204,7 @@ def train_titan(cfg: Any, data: Any, attention: str, rate: Optional[float],
     from lrmoe.training.loss import autocast, causal_lm_nll
     from lrmoe.training.moe_timer import MoELayerTimer
     from lrmoe.training.optim import build_optimizer, clip_in_step
+    from lrmoe.training.readout import StepReadout
 
     device = setup.resolve_device(cfg.run.device)
     threads = torch.get_num_threads()
@@ -221,8 +222,20 @@ def train_titan(cfg: Any, data: Any, attention: str, rate: Optional[float],
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         out_dir.mkdir(parents=True, exist_ok=True)
         records = []
+        # the same reading as lrmoe train: a step's numbers a step late, its time the
+        # device's period (lrmoe/training/readout.py), so both kinds of cell time alike
+        readout = StepReadout(device, timer)
+
+        def finished(record: Optional[Dict[str, Any]]) -> None:
+            if record is None:
+                return
+            if not math.isfinite(record["loss"]):
+                raise FloatingPointError(f"titan cell, step {record['step']}: the loss is "
+                                         f"{record['loss']}")
+            records.append(record)
+
         for step in range(1, cfg.run.steps + 1):
-            t0 = time.perf_counter()
+            start = readout.clock.event()
             batch, tokens = stream.next()
             denom = max(batch.num_loss_tokens(), 1)
             optimizer.zero_grad(set_to_none=True)
@@ -242,13 +255,11 @@ def train_titan(cfg: Any, data: Any, attention: str, rate: Optional[float],
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
-            loss = float(nll.detach()) / denom  # the host read that ends the step, as lrmoe train's
-            dt = time.perf_counter() - t0
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"titan cell, step {step}: the loss is {loss}")
-            records.append({"kind": "train", "step": step, "loss": loss, **timer.step_ms(),
-                            "grad_norm": float(grad_norm), "lr": lr, "tokens": tokens,
-                            "tokens_per_s": tokens / dt if dt > 0 else None, "time_s": dt})
+            record = {"kind": "train", "step": step, "lr": lr, "tokens": tokens,
+                      "loss_tokens": denom}
+            finished(readout.push(readout.stage(start, record, nll.detach(), None, grad_norm,
+                                                denom, 1)))
+        finished(readout.flush())
         (out_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n"
                                                        for r in records))
         peak = (torch.cuda.max_memory_allocated(device) / 2**30
