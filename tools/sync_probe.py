@@ -10,12 +10,17 @@ Usage: python tools/sync_probe.py RATE PRESET OUT_FILE [--set key=value ...]
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import traceback
 import warnings
 
 import torch
 
-from lrmoe.training import train as T
+# run as a script from any directory: the repository's package first on the path
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lrmoe.training import train as T  # noqa: E402 (after the path)
 
 
 def main() -> None:
