@@ -1,6 +1,6 @@
 """The simulator's figure recipes (experiments/sim_figs_seeds.py, sim_fig6_seeds.py,
-sim_drift.py, sim_balance.py) run with the figures' planner flags (lrmoe.sim.report.FIGURE_FLAGS) and
-write strict JSON (issue 30).
+sim_drift.py, sim_balance.py) run with the figures' planner flags
+(lrmoe.sim.report.FIGURE_FLAGS) and write strict JSON (issue 30).
 
 References: every run's own sim.json ``setup`` (what the simulator was told) against the
 flags the recipe documents; the recipes' runs against ``lrmoe sim`` called directly with
