@@ -15,11 +15,13 @@ the mean and 95 % Student t interval over them), the fraction of routed pairs ke
 Every number is simulated.
 
 The planner options are the figures' (``lrmoe sim``'s defaults,
-lrmoe.sim.report.FIGURE_FLAGS): lrmoe's joint plan, UltraEP's refinement and
-spare-capacity split, the planner told the link file's node size, and the all-to-alls
-deduplicated over the model's top_k. ``--legacy`` runs the sweep as it ran before those
-(sequential lrmoe, unrefined UltraEP, flat planner, one row per pair). ``--out FILE``
-also writes the cells as JSON.
+lrmoe.sim.report.FIGURE_FLAGS): lrmoe's joint plan at the derived replica cost (kappa =
+round(t_w / t_row) of each seed's loads, lrmoe.sim.simulate.derived_replica_cost_rows,
+as ``lrmoe sim`` derives it; it ran at kappa = 0 before 2026-12-07), UltraEP's
+refinement and spare-capacity split, the planner told the link file's node size, and the
+all-to-alls deduplicated over the model's top_k. ``--legacy`` runs the sweep as it ran
+before those (sequential lrmoe, unrefined UltraEP, flat planner, one row per pair).
+``--out FILE`` also writes the cells as JSON.
 """
 from __future__ import annotations
 
@@ -62,8 +64,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     links = Links.from_file()
     mem = S.memory_model(shape, 80 * GiB, 64 * GiB)
     many = len(args.seeds) > 1
-    print("| GPUs | max/mean | policy | balance slack | fwd+bwd ms | kept | replicas |")
-    print("|---|---|---|---|---|---|---|")
+    print("| GPUs | max/mean | policy | balance slack | fwd+bwd ms | kept | replicas | kappa |")
+    print("|---|---|---|---|---|---|---|---|")
     cells = []
     for W, skew in CLUSTERS:
         loads = [cluster_loads(W, shape.num_experts, 32768, shape.top_k, args.steps,
@@ -74,10 +76,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 top_k=shape.top_k, joint=policy == "lrmoe",
                 ultraep_refine=policy == "ultraep", spare_capacity_split=policy == "ultraep",
                 gpus_per_node=g if g < W else None)  # as lrmoe.sim.report.planner_options
-            per = dict(ms=[], kept=[], replicas=[], feasible=[])
+            per = dict(ms=[], kept=[], replicas=[], feasible=[], replica_cost_rows=[])
             for load in loads:
+                # the joint plan's replica cost as lrmoe sim derives it from the run's
+                # loads (lrmoe/sim/report.py _kappa); 0 where no joint plan reads it
+                kappa = (S.derived_replica_cost_rows(shape, costs, links, load)
+                         if opts.get("joint") else 0)
                 r = S.simulate(load, policy, mem, costs, links, shape.hidden_size, c,
-                               balance_slack=slack, threads=args.threads, **opts)
+                               balance_slack=slack, threads=args.threads,
+                               replica_cost_rows=kappa, **opts)
+                per["replica_cost_rows"].append(int(kappa))
                 per["ms"].append(float(np.nanmean(r["fwd_ms"] + r["bwd_ms"])))
                 per["kept"].append(float(r["retained"].sum() / r["pairs"].sum()))
                 per["replicas"].append(float(r["replicas"].mean()))
@@ -85,6 +93,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             cell = dict(gpus=W, skew=skew, policy=policy, rate=c, balance_slack=slack,
                         seeds=list(args.seeds), per_seed=per)
             for k, v in per.items():  # mean and 95 % Student t interval over the seeds
+                if k == "replica_cost_rows":
+                    cell[k] = v  # one per seed, as simulated
+                    continue
                 m, lo, hi, _ = mean_interval(v)
                 cell[k] = dict(mean=m, lo=None if np.isnan(lo) else lo,
                                hi=None if np.isnan(hi) else hi)
@@ -95,7 +106,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 return (f"{x['mean']:.{d}f} ({x['lo']:.{d}f}-{x['hi']:.{d}f})" if many
                         else f"{x['mean']:.{d}f}")
             print(f"| {W} | {skew:g} | {policy} | {'off' if slack is None else slack} | "
-                  f"{fmt('ms', 1)} | {fmt('kept', 3)} | {fmt('replicas', 1)} |")
+                  f"{fmt('ms', 1)} | {fmt('kept', 3)} | {fmt('replicas', 1)} | "
+                  f"{'/'.join(map(str, sorted(set(per['replica_cost_rows']))))} |")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(strict_json(dict(args=vars(args), label="simulated",

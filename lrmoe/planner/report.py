@@ -78,9 +78,21 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     pol.add_argument("--joint", action="store_true",
                      help="lrmoe: refine on one objective, the max rank time of forward + "
                           "retained rows + replica traffic, c as a budget (csrc/planner/joint.h)")
-    pol.add_argument("--replica-cost-rows", type=int, default=0, metavar="KAPPA",
-                     help="with --joint: one replica's weight and grad traffic in row-times "
-                          "(default 0)")
+    pol.add_argument("--replica-cost-rows", type=int, default=None, metavar="KAPPA",
+                     help="with --joint: one replica's weight and grad traffic in row-times. "
+                          "Default: derived from --costs and --links as lrmoe sim does, "
+                          "round(t_w / t_row) (lrmoe.sim.simulate.derived_replica_cost_rows); "
+                          "without --costs 0 (a replica costs only its slot); a number "
+                          "overrides both")
+    hw = p.add_argument_group("hardware (the joint plan's replica cost)")
+    hw.add_argument("--costs", default=None, metavar="FILE.json",
+                    help="with --joint: cost file from `lrmoe calibrate` "
+                         "(configs/costs/h200.json) whose expert GEMM curve gives t_row")
+    hw.add_argument("--costs-shape", default=None,
+                    help="calibrated shape to take the costs from (default: --model)")
+    hw.add_argument("--links", default=None, metavar="FILE.yaml",
+                    help="with --costs: link costs whose NVLink bandwidth and latency give "
+                         "t_w (default: configs/links/default.yaml)")
     pol.add_argument("--gpus-per-node", type=int, default=0, metavar="G",
                      help="ranks per node (NVLink domain): ultraep and lrmoe replicate on "
                           "the owner's node first, forward splits prefer same-node "
@@ -286,6 +298,73 @@ def _figures(rows: List[Dict[str, Any]], prefix: str) -> List[Path]:
     return [mem_png, load_png]
 
 
+def replica_cost(args: argparse.Namespace, shape: ModelShape, load_WE: np.ndarray):
+    """The joint lrmoe plan's replica cost kappa (rows) for ``lrmoe plan`` and where it
+    came from: ``--replica-cost-rows`` when given; else, with ``--costs``, the one
+    ``lrmoe sim`` derives, :func:`lrmoe.sim.simulate.derived_replica_cost_rows` of
+    ``load_WE`` (round(t_w / t_row): one expert's weights over the NVLink of ``--links``
+    over one row of the cost file's expert GEMMs at E / W experts per rank); else 0.
+
+    Args:
+        args: parsed ``lrmoe plan`` arguments (``joint``, ``replica_cost_rows``,
+            ``costs``, ``costs_shape``, ``links``, ``model``).
+        shape: the planned model (its hidden and moe_intermediate sizes give t_w).
+        load_WE: (W, E) routed pairs of the planned layer (their mean per expert is r).
+
+    Returns:
+        (kappa >= 0, a one-line description of its source for the report). kappa is 0
+        without ``--joint`` (the sequential plan does not read it).
+
+    Raises:
+        ValueError: ``--replica-cost-rows`` < 0, or given (non-zero) without ``--joint``;
+            ``--costs``, ``--costs-shape`` or ``--links`` without ``--joint`` (they would
+            be read for nothing), ``--costs-shape`` or ``--links`` without ``--costs``;
+            a cost file without the shape, a bad link file, a layer with no routed pair
+            (each naming the option).
+        FileNotFoundError: no file at ``--costs`` or ``--links``.
+        ModuleNotFoundError: ``--links``/``--costs`` without the ``sim`` extra (yaml).
+    """
+    k = args.replica_cost_rows
+    if k is not None and k < 0:
+        raise ValueError(f"--replica-cost-rows must be >= 0 (one replica's traffic in "
+                         f"row-times), got {k}")
+    if k and not args.joint:  # read by the joint objective only
+        raise ValueError("--replica-cost-rows is a term of lrmoe's joint objective and does "
+                         "nothing without it; add --joint or drop --replica-cost-rows")
+    hw = [(f, v) for f, v in (("--costs", args.costs), ("--costs-shape", args.costs_shape),
+                              ("--links", args.links)) if v is not None]
+    if hw and not args.joint:
+        raise ValueError(f"{hw[0][0]} is read by lrmoe plan only to derive the joint plan's "
+                         f"replica cost; add --joint or drop {' and '.join(f for f, _ in hw)}")
+    if args.costs is None and hw:
+        flag = hw[0][0]
+        raise ValueError(f"{flag} refines the replica cost derived from a cost file; give "
+                         f"--costs FILE.json (configs/costs/h200.json) or drop {flag}")
+    if not args.joint:
+        return 0, "not read: no --joint"
+    if k is not None:
+        return int(k), "--replica-cost-rows" + (
+            "; --costs not used" if args.costs is not None else "")
+    if args.costs is None:
+        return 0, ("default without --costs: a replica costs only its slot; give --costs "
+                   "FILE.json [--links FILE.yaml] to derive it as lrmoe sim does, or "
+                   "--replica-cost-rows N")
+    require("sim", "lrmoe plan --costs (link files)", ["yaml"])
+    # the same rule and code as lrmoe sim (lrmoe/sim/report.py _kappa), so a plan and a
+    # simulation of one layer charge a replica alike; imported here because lrmoe.sim
+    # needs the simulator extension's sim module, which plain planning does not
+    from lrmoe.sim import simulate as S
+    from lrmoe.sim.costs import Costs
+    from lrmoe.sim.links import Links
+
+    cshape = args.costs_shape or args.model
+    costs = Costs.from_file(args.costs, cshape)
+    links = Links.from_file(args.links, flag="--links")
+    kappa = S.derived_replica_cost_rows(shape, costs, links, np.asarray(load_WE))
+    return int(kappa), (f"derived round(t_w / t_row) from --costs {args.costs} "
+                        f"({cshape}) and --links {args.links or 'configs/links/default.yaml'}")
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Run ``lrmoe plan`` from parsed arguments; prints the table (or JSON). Returns 0.
 
@@ -308,9 +387,7 @@ def run_plan(args: argparse.Namespace) -> int:
                                       args.optimizer == "device")
     load_WE, prev_E, what = _loads(args, shape)
     policies = P.POLICIES if args.policy == "all" else (args.policy,)
-    if args.replica_cost_rows and not args.joint:  # read by the joint objective only
-        raise ValueError("--replica-cost-rows is a term of lrmoe's joint objective and does "
-                         "nothing without it; add --joint or drop --replica-cost-rows")
+    kappa, kappa_source = replica_cost(args, shape, load_WE)
     rows, plans = [], []
     for name in policies:
         plan = P.plan(load_WE, name, memory, args.recalibration_rate, args.quota_rule,
@@ -318,7 +395,7 @@ def run_plan(args: argparse.Namespace) -> int:
                       args.row_capacity, args.min_replica_rows,
                       None if args.balance < 0 else args.balance,
                       joint=args.joint and name == "lrmoe",
-                      replica_cost_rows=args.replica_cost_rows if name == "lrmoe" else 0,
+                      replica_cost_rows=kappa if name == "lrmoe" else 0,
                       gpus_per_node=args.gpus_per_node or None)
         plans.append(plan)
         rows.append(_summary(plan, load_WE))
@@ -327,11 +404,15 @@ def run_plan(args: argparse.Namespace) -> int:
             r["exact"] = x
     header = (f"{shape.name} at W={args.ep}, {what}; budget {args.budget}, resident "
               f"{args.resident}, c={args.recalibration_rate:g} (lrmoe), R={args.replica_slots}")
+    if args.joint:
+        header += f"\njoint lrmoe plan: replica cost kappa = {kappa} rows ({kappa_source})"
     files = _figures(rows, args.png) if args.png else []
     if args.json:
         json.dump({"setting": header, "model": dataclasses.asdict(shape),
-                   "memory_model": dataclasses.asdict(memory), "plans": rows,
-                   "figures": [str(f) for f in files]}, sys.stdout, indent=1)
+                   "memory_model": dataclasses.asdict(memory),
+                   "replica_cost_rows": ({"value": kappa, "source": kappa_source}
+                                         if args.joint else None),
+                   "plans": rows, "figures": [str(f) for f in files]}, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         print(_table(rows, header))

@@ -1,6 +1,6 @@
 """The simulator's figure recipes (experiments/sim_figs_seeds.py, sim_fig6_seeds.py,
-sim_drift.py) run with the figures' planner flags (lrmoe.sim.report.FIGURE_FLAGS) and
-write strict JSON (issue 30).
+sim_drift.py, sim_balance.py) run with the figures' planner flags
+(lrmoe.sim.report.FIGURE_FLAGS) and write strict JSON (issue 30).
 
 References: every run's own sim.json ``setup`` (what the simulator was told) against the
 flags the recipe documents; the recipes' runs against ``lrmoe sim`` called directly with
@@ -133,3 +133,34 @@ def test_sim_drift_runs_the_counts_controls_and_refuses_a_bad_one(tmp_path):
         with pytest.raises(ValueError, match="--drift"):
             sim_drift.main(["--seeds", "0", "--drift", bad, "--steps", "2", "--layers", "2",
                             "--costs", COSTS, "--out", str(tmp_path / "bad")])
+
+
+def test_sim_balance_runs_the_joint_plan_at_the_derived_kappa(tmp_path):
+    """experiments/sim_balance.py's lrmoe cells run at the replica cost ``lrmoe sim``
+    derives (it ran at kappa = 0 before 2026-12-07): the cell (EP8, max/mean 2, slack
+    off) against ``lrmoe sim`` called directly with the figures' flags on the same loads,
+    and kappa against the 1,326 rows docs/simulation.md works out for Qwen3 EP8 on the
+    H200 calibration ("The joint plan's replica cost")."""
+    import sim_balance
+
+    sim_balance.main(["--seeds", "0", "--steps", "1", "--layers", "1", "--costs", COSTS,
+                      "--out", str(tmp_path / "b.json")])
+    cells = strict_load(tmp_path / "b.json")["cells"]
+    cell = next(c for c in cells if (c["gpus"], c["skew"], c["policy"], c["balance_slack"])
+                == (8, 2.0, "lrmoe", None))
+    assert cell["replica_cost_rows"] == [1326]
+    assert all(c["replica_cost_rows"] == [0] for c in cells if c["policy"] != "lrmoe")
+    direct = run_sim(cli.build_parser().parse_args(
+        ["sim", "--costs", COSTS, "--gpus", "8", "--skew", "2", "--tokens-per-gpu", "32768",
+         "--steps", "1", "--layers", "1", "--seed", "0", "--policies", "lrmoe", "ultraep",
+         "--rate",
+         "0.3", "--balance-slack", "-1", "--pressure", *FIGURE_FLAGS,
+         "--out", str(tmp_path / "direct")]))["policies"]["lrmoe"]
+    assert direct["replica_cost_rows"] == 1326
+    assert cell["ms"]["mean"] == pytest.approx(direct["fwd_ms"] + direct["bwd_ms"])
+    assert cell["replicas"]["mean"] == pytest.approx(direct["replicas"])
+    legacy = sim_balance.main(["--seeds", "0", "--steps", "1", "--layers", "1", "--costs",
+                               COSTS, "--legacy", "--out", str(tmp_path / "l.json")])
+    assert legacy == 0
+    assert all(c["replica_cost_rows"] == [0]
+               for c in strict_load(tmp_path / "l.json")["cells"])  # no joint plan there
