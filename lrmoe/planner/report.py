@@ -316,7 +316,8 @@ def replica_cost(args: argparse.Namespace, shape: ModelShape, load_WE: np.ndarra
         without ``--joint`` (the sequential plan does not read it).
 
     Raises:
-        ValueError: ``--replica-cost-rows`` < 0, or given (non-zero) without ``--joint``;
+        ValueError: ``--joint`` with a ``--policy`` other than lrmoe or all;
+            ``--replica-cost-rows`` < 0, or given (non-zero) without ``--joint``;
             ``--costs``, ``--costs-shape`` or ``--links`` without ``--joint`` (they would
             be read for nothing), ``--costs-shape`` or ``--links`` without ``--costs``;
             a cost file without the shape, a bad link file, a layer with no routed pair
@@ -325,6 +326,12 @@ def replica_cost(args: argparse.Namespace, shape: ModelShape, load_WE: np.ndarra
         ModuleNotFoundError: ``--links``/``--costs`` without the ``sim`` extra (yaml).
     """
     k = args.replica_cost_rows
+    if args.joint and getattr(args, "policy", "all") not in ("all", "lrmoe"):
+        # the joint objective is lrmoe's: with only another policy planned it would be
+        # silently unused
+        raise ValueError(f"--joint refines the lrmoe plan only, and --policy "
+                         f"{args.policy} plans no lrmoe; use --policy lrmoe (or all) or "
+                         f"drop --joint")
     if k is not None and k < 0:
         raise ValueError(f"--replica-cost-rows must be >= 0 (one replica's traffic in "
                          f"row-times), got {k}")

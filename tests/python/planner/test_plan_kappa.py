@@ -94,6 +94,7 @@ def test_table_reports_kappa_and_its_source(capsys, hw):
     (["--joint", "--links", "x.yaml"], "--links refines the replica cost derived from a cost"),
     (["--joint", "--costs-shape", "qwen3-30b-a3b"], "--costs-shape refines"),
     (["--joint", "{costs}", "--costs-shape", "glm-4.5-air"], "has no calibration of"),
+    (["--joint", "--policy", "fixed"], "--joint refines the lrmoe plan only, and --policy fixed"),
 ])
 def test_bad_combinations_are_named(capsys, hw, extra, match):
     extra = [x for a in extra for x in (hw[:2] if a == "{costs}" else [a])]
