@@ -99,8 +99,9 @@ def lm_forward(model: nn.Module, batch: Batch, *, aux_loss: bool,
     without its host sync; see :mod:`lrmoe.training.batches`). The load-balancing loss is
     transformers' own ``load_balancing_loss_func`` over the router logits (each lrmoe
     layer's ``router_logits`` when the model has lrmoe layers, so no host sync; else the
-    model's ``output_router_logits``) with the batch's padding mask, so padding positions count neither in the routed fractions nor in the mean router
-    probabilities (the model's ``outputs.aux_loss`` would count them: it sees no mask).
+    model's ``output_router_logits``) with the batch's padding mask, so padding positions
+    count neither in the routed fractions nor in the mean router probabilities (the
+    model's ``outputs.aux_loss`` would count them: it sees no mask).
 
     Args:
         model: e.g. a (patched) ``Qwen3MoeForCausalLM``.
