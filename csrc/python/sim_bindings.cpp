@@ -105,6 +105,10 @@ void bind_sim(py::module_ m) {
       .field("chunks", &LinkModel::chunks, "network/NVLink phases pipelined over (1: in sequence)")
       .field("overlap_chunks", &LinkModel::overlap_chunks,
              "all-to-alls pipelined with the expert GEMMs over (1: in sequence)")
+      .field("overlap_tile_rows", &LinkModel::overlap_tile_rows,
+             "rows per GEMM tile of the tile-level overlap (0: off)")
+      .field("overlap_comm_share", &LinkModel::overlap_comm_share,
+             "share of the SMs given to communication under tile-level overlap, [0, 1)")
       .done();
 
   // the whole model's activations under batch pressure (sim/activations.h)

@@ -194,6 +194,25 @@ double pipelined_ms(double out1, double compute1, double back1, int32_t n) {
   return out1 + compute1 + back1 + (n - 1) * std::max(out1 + back1, compute1);
 }
 
+// one rank's phases overlapped tile by tile (LinkModel::overlap_tile_rows): the
+// all-to-alls (a2a, latencies once) and the GEMMs (compute, already on the SMs left to
+// them) run side by side; the first tile's rows must arrive before its GEMM starts and
+// the last tile's results leave after it ends, the shorter side's 1 / tiles each way
+// (the limit of pipelined_ms over `tiles` equal chunks with no per-chunk latency).
+// A rank with no rows (tiles = 0) only takes part in the collectives.
+double tiled_ms(double a2a, double compute, int64_t tiles) {
+  if (tiles <= 0) return a2a;
+  return std::max(a2a, compute) + std::min(a2a, compute) / static_cast<double>(tiles);
+}
+
+// GEMM tiles of one rank: each instance's rows in tiles of `tile` rows (a tile never
+// spans two experts: the grouped GEMM's M tiles are per group)
+int64_t tiles_of(const std::vector<double>& rows_I, int32_t tile) {
+  int64_t n = 0;
+  for (double x : rows_I) n += static_cast<int64_t>(std::ceil(x / tile));
+  return n;
+}
+
 }  // namespace
 
 namespace detail {
@@ -497,6 +516,16 @@ LayerResult time_plan(const planner::Plan& plan, const planner::PlanInput& in,
   double bwd = res.src_bwd_ms + res.grad_a2a_ms + res.expert_bwd_ms + res.dx_a2a_ms;
   const int32_t n = cfg.link.overlap_chunks;
   if (n < 1) throw std::invalid_argument("simulate: link.overlap_chunks must be >= 1");
+  if (cfg.link.overlap_tile_rows < 0)
+    throw std::invalid_argument("simulate: link.overlap_tile_rows must be >= 0 (rows per "
+                                "GEMM tile of the tile-level overlap; 0: off)");
+  if (!(cfg.link.overlap_comm_share >= 0 && cfg.link.overlap_comm_share < 1))
+    throw std::invalid_argument("simulate: link.overlap_comm_share must be in [0, 1) (the "
+                                "share of the SMs the fused kernel gives to communication)");
+  if (cfg.link.overlap_tile_rows > 0 && n > 1)
+    throw std::invalid_argument("simulate: link.overlap_tile_rows > 0 (tile-level overlap) "
+                                "and link.overlap_chunks > 1 (chunked) are two models of one "
+                                "overlap; set one of them");
   if (n > 1) {
     // one chunk of each phase: the all-to-alls at 1/n of the row bytes (their latencies
     // whole), every rank's GEMMs at 1/n of its instances' rows
@@ -519,6 +548,28 @@ LayerResult time_plan(const planner::Plan& plan, const planner::PlanInput& in,
                                    hierarchical_a2a_ms(Db_back, rb * inv, cfg.link), n);
     res.overlap_fwd_ms = res.dispatch_ms + res.expert_fwd_ms + res.combine_ms - pf;
     res.overlap_bwd_ms = res.grad_a2a_ms + res.expert_bwd_ms + res.dx_a2a_ms - pb;
+    fwd = res.src_fwd_ms + pf;
+    bwd = res.src_bwd_ms + pb;
+  }
+  const int32_t tile = cfg.link.overlap_tile_rows;
+  const double share = cfg.link.overlap_comm_share;
+  if (tile > 0) {
+    // every rank's GEMMs (and the EP layer's own row work) whole, on 1 - share of the
+    // SMs; the slowest rank's all-to-alls beside them (LinkModel::overlap_tile_rows)
+    const double slow = 1.0 / (1.0 - share);
+    const double a2a_f = res.dispatch_ms + res.combine_ms;
+    const double a2a_b = res.grad_a2a_ms + res.dx_a2a_ms;
+    double pf = 0, pb = 0;
+    for (int32_t r = 0; r < W; ++r) {
+      const double F = static_cast<double>(plan.forward_rows_W[r]);
+      const double B = static_cast<double>(plan.backward_rows_W[r]);
+      const double cf = (gemm.ms_instances(rows_f_W[r], false) + F * ep_f) * slow;
+      const double cb = (gemm.ms_instances(rows_b_W[r], true) + B * (c.compact + ep_b)) * slow;
+      pf = std::max(pf, tiled_ms(a2a_f, cf, tiles_of(rows_f_W[r], tile)));
+      pb = std::max(pb, tiled_ms(a2a_b, cb, tiles_of(rows_b_W[r], tile)));
+    }
+    res.overlap_fwd_ms = a2a_f + res.expert_fwd_ms - pf;
+    res.overlap_bwd_ms = a2a_b + res.expert_bwd_ms - pb;
     fwd = res.src_fwd_ms + pf;
     bwd = res.src_bwd_ms + pb;
   }

@@ -73,6 +73,20 @@ struct LinkModel {
   // before issue 30's overlap); each chunk pays the collectives' latencies again and runs
   // its GEMMs on 1 / overlap_chunks of the rows (the calibrated curve at those rows)
   int32_t overlap_chunks = 1;
+  // tile-level overlap inside one fused kernel (the Comet approach; docs/simulation.md,
+  // "Compute / all-to-all overlap"): > 0 rows per GEMM tile, 0 off. Rows arrive and leave
+  // tile by tile while the GEMMs run at their whole size, so the collectives pay their
+  // latencies once (not once per chunk) and the GEMMs are not split; the GEMMs and the
+  // EP layer's own row work run on the SMs the communication leaves them
+  // (1 - overlap_comm_share). Per rank: max(a2a, compute) + min(a2a, compute) / tiles
+  // (the first tile in and the last one out, not hidden), a2a the dispatch plus combine
+  // (forward) or gradient plus dx (backward) phases of the slowest rank (sim.cpp
+  // tiled_ms). Exclusive with overlap_chunks > 1 (two models of one overlap).
+  int32_t overlap_tile_rows = 0;
+  // share of the GPU's SMs the fused kernel gives to communication, in [0, 1); the
+  // links keep their bandwidth (an assumption: DeepEP's README reports near-peak NVLink
+  // bandwidth from 20-24 of 132 SMs). Used only with overlap_tile_rows > 0
+  double overlap_comm_share = 0;
 };
 
 struct SimConfig {
@@ -166,10 +180,12 @@ struct LayerResult {
   double src_fwd_ms = 0, dispatch_ms = 0, expert_fwd_ms = 0, combine_ms = 0;
   double src_bwd_ms = 0, grad_a2a_ms = 0, expert_bwd_ms = 0, dx_a2a_ms = 0;
   double replica_ms = 0, offload_ms = 0;  // exposed (not hidden behind compute)
-  // what pipelining the all-to-alls with the expert GEMMs over link.overlap_chunks
-  // saves against the phases in sequence (dispatch + expert + combine, and gradient +
-  // expert backward + dx), ms; fwd_ms / bwd_ms include it; 0 with one chunk, negative
-  // where the chunks' extra latencies and smaller GEMMs cost more than the overlap hides
+  // what pipelining the all-to-alls with the expert GEMMs over link.overlap_chunks (or
+  // tile by tile, link.overlap_tile_rows) saves against the phases in sequence
+  // (dispatch + expert + combine, and gradient + expert backward + dx), ms; fwd_ms /
+  // bwd_ms include it; 0 with one chunk and no tiles, negative where the chunks' extra
+  // latencies and smaller GEMMs (or the tiles' slower GEMMs on the SMs communication
+  // leaves) cost more than the overlap hides
   double overlap_fwd_ms = 0, overlap_bwd_ms = 0;
   // bytes over links (rows a rank keeps are not counted; a row a proxy forwards counts
   // on both hops), summed over ranks

@@ -86,6 +86,13 @@ class Links:
     #: chunks a layer's all-to-alls are pipelined with its expert GEMMs over (csrc/sim/
     #: sim.h LinkModel::overlap_chunks); optional key ``overlap_chunks``, 1: in sequence
     overlap_chunks: int = 1
+    #: rows per GEMM tile of the tile-level overlap (csrc/sim/sim.h LinkModel::
+    #: overlap_tile_rows); optional key ``overlap_tile_rows``, 0: off
+    overlap_tile_rows: int = 0
+    #: share of the SMs the fused kernel gives to communication under tile-level overlap
+    #: (sim.h LinkModel::overlap_comm_share); optional key ``overlap_comm_share``, in
+    #: [0, 1); the default is DeepEP's 20 SMs (its Buffer.num_sms) of an H100 / H200's 132
+    overlap_comm_share: float = 20 / 132
 
     @classmethod
     def from_file(cls, path: Optional[str] = None, flag: Optional[str] = None) -> "Links":
@@ -98,7 +105,10 @@ class Links:
                 optionally ``per_peer_us`` (a finite number >= 0), ``chunks`` (an
                 integer >= 1) for the all-to-all model of csrc/sim/a2a.h, and
                 ``overlap_chunks`` (an integer >= 1: the all-to-alls pipelined with the
-                expert GEMMs, csrc/sim/sim.h).
+                expert GEMMs, csrc/sim/sim.h), or ``overlap_tile_rows`` (an integer
+                >= 0: the tile-level overlap, 0 off; not with ``overlap_chunks`` > 1) with
+                ``overlap_comm_share`` (a number in [0, 1): the SMs' share given to
+                communication).
             flag: the command-line option that named ``path`` (``"--base-links"``); the
                 messages then start with it, so the user knows which argument to fix.
 
@@ -156,6 +166,23 @@ class Links:
         if "overlap_chunks" in d:
             vals["overlap_chunks"] = _positive_int(where, d, "overlap_chunks",
                                                    "a whole number of chunks")
+        if "overlap_tile_rows" in d:
+            v = d["overlap_tile_rows"]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{where}: overlap_tile_rows must be a whole number >= 0 "
+                                 f"(rows per GEMM tile; 0: no tile-level overlap), got {v!r}")
+            vals["overlap_tile_rows"] = v
+        if "overlap_comm_share" in d:
+            v = _number(where, "overlap_comm_share", d["overlap_comm_share"])
+            if not (math.isfinite(v) and 0 <= v < 1):
+                raise ValueError(f"{where}: overlap_comm_share must be a number in [0, 1) "
+                                 f"(the share of the SMs given to communication), got "
+                                 f"{d['overlap_comm_share']!r}")
+            vals["overlap_comm_share"] = v
+        if vals.get("overlap_tile_rows", 0) > 0 and vals.get("overlap_chunks", 1) > 1:
+            raise ValueError(f"{where}: overlap_tile_rows > 0 (tile-level overlap) and "
+                             f"overlap_chunks > 1 (chunked) are two models of one overlap; "
+                             f"keep one of them")
         src = {f"{side}.{k}": str(d[side].get(k, "")) for side in ("intra_node", "inter_node")
                for k in ("source", "latency_source")}
         return cls(str(d.get("name", p.stem)), sources=src, **vals)

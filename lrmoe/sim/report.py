@@ -161,6 +161,17 @@ def add_sim_arguments(p) -> None:
                         "combined; each chunk pays the latencies again and runs 1/N of the "
                         "rows; csrc/sim/sim.h). Default: overlap_chunks of --links (1: the "
                         "phases in sequence, an upper bound)")
+    p.add_argument("--overlap-tile-rows", type=int, default=None, metavar="R",
+                   help="overlap each layer's token all-to-alls with its expert GEMMs tile "
+                        "by tile inside one fused kernel (the Comet approach): rows leave "
+                        "and arrive in R-row GEMM tiles, the latencies are paid once, the "
+                        "GEMMs run whole on the SMs communication leaves them "
+                        "(--overlap-comm-share; csrc/sim/sim.h). Default: overlap_tile_rows "
+                        "of --links (0: off). Not with --overlap-chunks > 1")
+    p.add_argument("--overlap-comm-share", type=float, default=None, metavar="F",
+                   help="with --overlap-tile-rows: the share of the SMs given to "
+                        "communication, in [0, 1). Default: overlap_comm_share of --links "
+                        "(20 / 132 = 0.152, DeepEP's 20 SMs of an H100 / H200)")
     p.add_argument("--pressure", nargs="*", type=float, default=list(range(1, 21)),
                    help="batch multipliers of Fig. 6 (default 1, 2, ..., 20: a 1x grid, so "
                         "a policy's step where it stops fitting is not an artifact of "
@@ -329,6 +340,26 @@ def resolve_planner_flags(args, links: Links) -> Links:
             raise ValueError(f"--overlap-chunks must be an integer >= 1 (1: the all-to-alls "
                              f"and expert GEMMs in sequence), got {n}")
         links = dataclasses.replace(links, overlap_chunks=int(n))
+    t = getattr(args, "overlap_tile_rows", None)
+    if t is not None:
+        if t < 0:
+            raise ValueError(f"--overlap-tile-rows must be an integer >= 0 (rows per GEMM "
+                             f"tile; 0: no tile-level overlap), got {t}")
+        links = dataclasses.replace(links, overlap_tile_rows=int(t))
+    f = getattr(args, "overlap_comm_share", None)
+    if f is not None:
+        if not (math.isfinite(f) and 0 <= f < 1):
+            raise ValueError(f"--overlap-comm-share must be a number in [0, 1) (the share "
+                             f"of the SMs given to communication), got {f}")
+        if links.overlap_tile_rows == 0:
+            raise ValueError("--overlap-comm-share applies to the tile-level overlap only; "
+                             "add --overlap-tile-rows R (or overlap_tile_rows in --links)")
+        links = dataclasses.replace(links, overlap_comm_share=float(f))
+    if links.overlap_tile_rows > 0 and links.overlap_chunks > 1:
+        raise ValueError(f"--overlap-tile-rows (tile-level overlap, {links.overlap_tile_rows} "
+                         f"rows) and --overlap-chunks {links.overlap_chunks} (chunked) are two "
+                         f"models of one overlap; pass --overlap-chunks 1 or "
+                         f"--overlap-tile-rows 0")
     top_k = MODELS[args.model].top_k
     if args.dedup_top_k is None:
         args.dedup_top_k = top_k
@@ -493,7 +524,9 @@ def run_sim(args) -> dict:
                      costs=dict(file=args.costs, shape=costs.shape, meta=costs.meta),
                      links=dict(name=links.name, sources=links.sources,
                                 per_peer_us=links.per_peer_us, chunks=links.chunks,
-                                overlap_chunks=links.overlap_chunks),
+                                overlap_chunks=links.overlap_chunks,
+                                overlap_tile_rows=links.overlap_tile_rows,
+                                overlap_comm_share=links.overlap_comm_share),
                      policies={})
     for pol in args.policies:
         res = _run(args, shape, costs, links, pol, loads)

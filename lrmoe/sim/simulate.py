@@ -489,7 +489,9 @@ def sim_config(costs: Costs, links: Links, hidden: int, offload: bool = False,
                             inter_latency_us=float(links.inter_latency_us),
                             self_GBps=float(costs.self_copy_GBps),
                             per_peer_us=float(links.per_peer_us), chunks=int(links.chunks),
-                            overlap_chunks=int(links.overlap_chunks))
+                            overlap_chunks=int(links.overlap_chunks),
+                            overlap_tile_rows=int(links.overlap_tile_rows),
+                            overlap_comm_share=float(links.overlap_comm_share))
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
         raise ValueError(f"top_k (experts per token the all-to-all deduplicates over) must "
                          f"be an integer >= 1, got {top_k!r}; 1 is lrmoe's own EP layer")

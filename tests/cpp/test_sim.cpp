@@ -168,6 +168,48 @@ TEST(Sim, AllToAllsPipelinedWithTheExpertGemms) {
   EXPECT_THROW(sim::simulate_layer("fixed", toy_input(), cfg), std::invalid_argument);
 }
 
+TEST(Sim, AllToAllsOverlappedTileByTile) {
+  // the toy cluster (each rank: one instance of 50 rows, 5 ms forward GEMM, 10.25 ms
+  // backward with the compact; the all-to-alls 0.03 + 0.03008 ms each way, latencies in)
+  // at 16-row tiles: ceil(50 / 16) = 4 tiles a rank. All SMs to the GEMMs: forward
+  // max(0.06008, 5) + 0.06008 / 4, backward max(0.06008, 10.25) + 0.06008 / 4
+  sim::SimConfig cfg = toy_config();
+  cfg.link.overlap_tile_rows = 16;
+  const sim::LayerResult r = sim::simulate_layer("fixed", toy_input(), cfg);
+  ASSERT_TRUE(r.feasible);
+  EXPECT_NEAR(r.fwd_ms, 1.8 + 5.0 + 0.01502, 1e-12);
+  EXPECT_NEAR(r.overlap_fwd_ms, 0.06008 - 0.01502, 1e-12);
+  EXPECT_NEAR(r.bwd_ms, 0.84 + 10.25 + 0.01502, 1e-12);
+  EXPECT_NEAR(r.overlap_bwd_ms, 0.06008 - 0.01502, 1e-12);
+  EXPECT_DOUBLE_EQ(r.expert_fwd_ms, 5.0);  // the breakdown stays the phases alone
+  // a fifth of the SMs to communication: the GEMMs 1.25x longer, more than the
+  // all-to-alls hide: 6.25 + 0.06008 / 4 against 5.06008 in sequence
+  cfg.link.overlap_comm_share = 0.2;
+  const sim::LayerResult s = sim::simulate_layer("fixed", toy_input(), cfg);
+  EXPECT_NEAR(s.fwd_ms, 1.8 + 6.25 + 0.01502, 1e-12);
+  EXPECT_NEAR(s.overlap_fwd_ms, 5.06008 - 6.26502, 1e-12);
+  // latency-bound links (10 ms a collective): the latencies are paid once, the GEMMs'
+  // 5 ms hide behind them but their first and last tiles: 20.04008 + 5 / 4 (share 0)
+  cfg.link.overlap_comm_share = 0.0;
+  cfg.link.intra_latency_us = 10000.0;
+  const sim::LayerResult slow = sim::simulate_layer("fixed", toy_input(), cfg);
+  EXPECT_NEAR(slow.fwd_ms, 1.8 + 20.04008 + 1.25, 1e-9);
+  EXPECT_NEAR(slow.overlap_fwd_ms, 25.04008 - 21.29008, 1e-9);
+  // one tile a rank (tiles as large as the rows): nothing hidden, the phases in sequence
+  cfg.link.intra_latency_us = toy_config().link.intra_latency_us;
+  cfg.link.overlap_tile_rows = 50;
+  EXPECT_NEAR(sim::simulate_layer("fixed", toy_input(), cfg).fwd_ms, 1.8 + 5.06008, 1e-12);
+  // bad values, and the two overlap models at once, are refused
+  cfg.link.overlap_tile_rows = -1;
+  EXPECT_THROW(sim::simulate_layer("fixed", toy_input(), cfg), std::invalid_argument);
+  cfg.link.overlap_tile_rows = 16;
+  cfg.link.overlap_comm_share = 1.0;
+  EXPECT_THROW(sim::simulate_layer("fixed", toy_input(), cfg), std::invalid_argument);
+  cfg.link.overlap_comm_share = 0.0;
+  cfg.link.overlap_chunks = 2;
+  EXPECT_THROW(sim::simulate_layer("fixed", toy_input(), cfg), std::invalid_argument);
+}
+
 TEST(Sim, SelfRowsAreADeviceCopy) {
   // at 0.5 GB/s of self copy, rank 1's 40 own rows (40000 B) take 0.08 ms, longer than
   // its links (0.03 ms); at EP size 1 the copy is all there is: 100 rows, 0.2 ms

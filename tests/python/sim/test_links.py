@@ -112,3 +112,26 @@ def test_overlap_chunks_reads_as_written_defaults_to_one_and_refuses_bad_values(
         p.write_text(f"gpus_per_node: 8\noverlap_chunks: {bad}\n" + _SIDES)
         with pytest.raises(ValueError, match="overlap_chunks must be a whole number"):
             Links.from_file(str(p), flag="--links")
+
+
+def test_tile_overlap_keys_read_as_written_default_off_and_refuse_bad_values(tmp_path):
+    """overlap_tile_rows / overlap_comm_share (csrc/sim/sim.h LinkModel): optional; absent,
+    no tile-level overlap and DeepEP's 20 of 132 SMs; bad values and both overlap models
+    at once are refused naming the key."""
+    base = Links.from_file(str(_file(tmp_path, "gpus_per_node: 8\n" + _SIDES)))
+    assert (base.overlap_tile_rows, base.overlap_comm_share) == (0, 20 / 132)
+    p = tmp_path / "t.yaml"
+    p.write_text("gpus_per_node: 8\noverlap_tile_rows: 128\noverlap_comm_share: 0.25\n"
+                 + _SIDES)
+    got = Links.from_file(str(p))
+    assert (got.overlap_tile_rows, got.overlap_comm_share) == (128, 0.25)
+    for extra, needle in (("overlap_tile_rows: -1\n", "overlap_tile_rows must be"),
+                          ("overlap_tile_rows: 2.5\n", "overlap_tile_rows must be"),
+                          ("overlap_tile_rows: true\n", "overlap_tile_rows must be"),
+                          ("overlap_comm_share: 1\n", "overlap_comm_share must be"),
+                          ("overlap_comm_share: -0.1\n", "overlap_comm_share must be"),
+                          ("overlap_tile_rows: 64\noverlap_chunks: 2\n", "two models")):
+        p.write_text("gpus_per_node: 8\n" + extra + _SIDES)
+        with pytest.raises(ValueError, match=needle) as err:
+            Links.from_file(str(p), flag="--links")
+        assert str(err.value).startswith(f"--links {p}")

@@ -497,6 +497,54 @@ def test_overlap_chunks_reach_the_layer_time_and_the_cli_refuses_a_bad_value(tmp
     assert "--overlap-chunks must be an integer >= 1" in capsys.readouterr().err
 
 
+def test_tile_overlap_is_bounded_by_the_phases_and_the_cli_refuses_bad_values(tmp_path,
+                                                                           capsys):
+    """links.overlap_tile_rows / overlap_comm_share reach the C++ config. Against the
+    layer's own phase breakdown (the slowest rank's all-to-alls a and GEMMs g, both
+    unchanged by the overlap): with 1-row tiles the overlapped phases take at least
+    max(a, g / (1 - share)) and at most that plus min(a, g / (1 - share)) / 8 (every rank
+    here holds 2 experts of >= 4 rows: >= 8 tiles); fwd_ms / bwd_ms fall by exactly the
+    overlap reported. (The hand-computed case is tests/cpp/test_sim.cpp,
+    AllToAllsOverlappedTileByTile.)"""
+    from lrmoe.sim import simulate as S
+    from lrmoe.sim.simulate import sim_config
+    from lrmoe.planner.plan import MemoryModel
+    links = dataclasses.replace(_links(), overlap_tile_rows=64, overlap_comm_share=0.25)
+    cfg = sim_config(_toy_costs(), links, 64)
+    assert (cfg.link.overlap_tile_rows, cfg.link.overlap_comm_share) == (64, 0.25)
+    W, E, H = 4, 8, 64
+    load = np.random.default_rng(5).integers(1, 400, size=(1, 1, W, E)).astype(np.int64)
+    mem = MemoryModel(1, 1, 1, 1, 1, 1 << 40, 0, optimizer_on_device=False)
+
+    def run(**kw):
+        return S.simulate(load, "fixed", mem, _toy_costs(), dataclasses.replace(_links(), **kw),
+                          H, 0.0, replica_slots=0, threads=1)
+    base = run()
+    for share in (0.0, 0.5):
+        got = run(overlap_tile_rows=1, overlap_comm_share=share)
+        for k in ("dispatch_ms", "combine_ms", "expert_fwd_ms", "expert_bwd_ms"):
+            assert np.array_equal(base[k], got[k])
+        for a, g, src, tot, ov in (
+                (got["dispatch_ms"] + got["combine_ms"], got["expert_fwd_ms"],
+                 got["src_fwd_ms"], got["fwd_ms"], got["overlap_fwd_ms"]),
+                (got["grad_a2a_ms"] + got["dx_a2a_ms"], got["expert_bwd_ms"],
+                 got["src_bwd_ms"], got["bwd_ms"], got["overlap_bwd_ms"])):
+            gs = g / (1.0 - share)
+            lo, hi = np.maximum(a, gs), np.maximum(a, gs) + np.minimum(a, gs) / 8
+            assert np.all(tot - src >= lo - 1e-9) and np.all(tot - src <= hi + 1e-9)
+            np.testing.assert_allclose(tot, src + a + g - ov, rtol=1e-12)
+    capsys.readouterr()
+    costs = "configs/costs/h200.json"
+    for argv, needle in (
+            (["--overlap-tile-rows", "-1"], "--overlap-tile-rows must be an integer >= 0"),
+            (["--overlap-tile-rows", "128", "--overlap-comm-share", "1.0"],
+             "--overlap-comm-share must be a number in [0, 1)"),
+            (["--overlap-comm-share", "0.2"], "applies to the tile-level overlap only"),
+            (["--overlap-tile-rows", "128", "--overlap-chunks", "2"], "two models")):
+        assert cli.main(["sim", "--costs", costs, *argv, "--out", str(tmp_path / "o")]) != 0
+        assert needle in capsys.readouterr().err
+
+
 def test_simulate_cluster_waits_for_the_slowest_group():
     """Three groups of W = 4 on their own loads: each (step, layer) of the cluster takes
     the max over groups of that group simulated alone (simulate, the per-group path),
