@@ -334,27 +334,25 @@ def resolve_planner_flags(args, links: Links) -> Links:
                              f"gpus_per_node from --links ({links.gpus_per_node})")
         links = dataclasses.replace(links, gpus_per_node=int(g))
     args.planner_gpus_per_node = int(links.gpus_per_node)
-    n = getattr(args, "overlap_chunks", None)
-    if n is not None:
-        if n < 1:
-            raise ValueError(f"--overlap-chunks must be an integer >= 1 (1: the all-to-alls "
-                             f"and expert GEMMs in sequence), got {n}")
-        links = dataclasses.replace(links, overlap_chunks=int(n))
-    t = getattr(args, "overlap_tile_rows", None)
-    if t is not None:
-        if t < 0:
-            raise ValueError(f"--overlap-tile-rows must be an integer >= 0 (rows per GEMM "
-                             f"tile; 0: no tile-level overlap), got {t}")
-        links = dataclasses.replace(links, overlap_tile_rows=int(t))
-    f = getattr(args, "overlap_comm_share", None)
-    if f is not None:
-        if not (math.isfinite(f) and 0 <= f < 1):
-            raise ValueError(f"--overlap-comm-share must be a number in [0, 1) (the share "
-                             f"of the SMs given to communication), got {f}")
-        if links.overlap_tile_rows == 0:
+    # the overlap flags override the link file's keys of the same names (csrc/sim/sim.h
+    # LinkModel); each (flag, valid?, what a valid value is)
+    for attr, ok, need in (
+            ("overlap_chunks", lambda v: v >= 1,
+             "an integer >= 1 (1: the all-to-alls and expert GEMMs in sequence)"),
+            ("overlap_tile_rows", lambda v: v >= 0,
+             "an integer >= 0 (rows per GEMM tile; 0: no tile-level overlap)"),
+            ("overlap_comm_share", lambda v: math.isfinite(v) and 0 <= v < 1,
+             "a number in [0, 1) (the share of the SMs given to communication)")):
+        v = getattr(args, attr, None)
+        if v is None:
+            continue
+        flag = "--" + attr.replace("_", "-")
+        if not ok(v):
+            raise ValueError(f"{flag} must be {need}, got {v}")
+        if attr == "overlap_comm_share" and links.overlap_tile_rows == 0:
             raise ValueError("--overlap-comm-share applies to the tile-level overlap only; "
                              "add --overlap-tile-rows R (or overlap_tile_rows in --links)")
-        links = dataclasses.replace(links, overlap_comm_share=float(f))
+        links = dataclasses.replace(links, **{attr: type(getattr(links, attr))(v)})
     if links.overlap_tile_rows > 0 and links.overlap_chunks > 1:
         raise ValueError(f"--overlap-tile-rows (tile-level overlap, {links.overlap_tile_rows} "
                          f"rows) and --overlap-chunks {links.overlap_chunks} (chunked) are two "
