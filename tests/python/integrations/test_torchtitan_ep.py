@@ -1,9 +1,9 @@
 """lrmoe.integrations.torchtitan under expert parallelism: 2 gloo ranks on the CPU.
 
-The EP layout is torchtitan's, built by hand: torchtitan's ``Module.parallelize`` needs a
-``ParallelDims`` of the trainer (device meshes of the accelerator, the "spmd_types"
-backend's mesh registry), which does not run on CPU / gloo here. So each rank does what
-``RoutedExperts.parallelize`` (torchtitan's models/common/moe.py) does for EP: the three
+The EP layout is torchtitan's, built by hand, on one MoE module (the DeepSeek-V3-style
+router and shared experts, which the whole Qwen3 model of test_torchtitan_parallelize.py,
+parallelized by torchtitan's own ``parallelize_qwen3``, does not have). Each rank does
+what ``RoutedExperts.parallelize`` (torchtitan's models/common/moe.py) does for EP: the three
 ``GroupedExperts`` weights become ``distribute_tensor(w, ep_mesh, [Shard(0)])`` parameters
 of a 1-D ``DeviceMesh("cpu", ..., mesh_dim_names=("ep",))`` and
 ``token_dispatcher.wire_meshes(ep_mesh=...)`` wires torchtitan's
