@@ -42,8 +42,22 @@ CPU adaptations (none changes torchtitan's files; each is needed on a CPU-only t
   have ("module 'torch.distributed' has no attribute 'set_timeout'"); where it is missing
   :func:`point_torchtitan_at_cpu` aliases it to torch's private
   ``distributed_c10d._set_pg_timeout(timeout, group)``, the same call;
+* EP: with ``--parallelism.expert_parallel_degree 2`` torchtitan's config validation
+  refuses its default CUDA-graph setting ("CUDA graphs support only expert parallel token
+  ..."); add ``--training.disable_cuda_graphs`` (a torchtitan flag; eager on the CPU anyway);
+* initialisation: DTensor's random init has no CPU support (``torch.cpu`` lacks
+  ``set_rng_state``; "DTensor random operators may not have complete support on cpu"), so a
+  sharded meta-device init gives every FSDP rank's shard the same values (experts e and
+  e + 4 identical, router rows tied). tools/titan_trainer_cpu.sh therefore makes
+  torchtitan's own seed checkpoint on one rank (``--checkpoint.create_seed_checkpoint``)
+  and starts every run from it (``--checkpoint.initial_load_path``);
 * fp32 throughout: ``training.mixed_precision_param float32`` (bf16 FSDP2 parameters on
   the CPU would make the with/without-override comparison a bf16 one).
+
+Reference (not an adaptation): ``--override.imports titan_trainer_cpu.fp32_grouped_experts``
+makes torchtitan's own ``GroupedExperts`` compute in fp32 (its forward without the
+``.bfloat16()`` casts), the torchtitan side of the fp32 comparison with LRMoE's
+``expert_dtype="input"``.
 
 Observation only: with ``TITAN_CPU_LOSS_LOG=PATH`` rank 0 appends one JSON line per
 logged step (step, loss, grad_norm as Python floats, i.e. the exact float32 values
@@ -145,6 +159,64 @@ def qwen3_moe_tiny_cpu():
         activation_checkpoint=None,  # no activation checkpointing
         debug=DebugConfig(seed=0),
     )
+
+
+# ------------------------------------------------------------------- fp32 reference
+
+def _fp32_grouped_experts_classes():
+    """``FP32GroupedExperts``: torchtitan 0.3.0's ``GroupedExperts`` whose forward is its
+    own code without the three ``.bfloat16()`` casts (the reference of the fp32
+    comparison; tests/python/integrations/test_torchtitan.py's ``fp32_grouped_experts``)."""
+    global FP32GroupedExperts
+    if "FP32GroupedExperts" in globals():
+        return FP32GroupedExperts
+    from dataclasses import dataclass
+
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+    from torchtitan.models.common.moe import GroupedExperts
+
+    class FP32GroupedExperts(GroupedExperts):
+        @dataclass(kw_only=True, slots=True)
+        class Config(GroupedExperts.Config):
+            pass
+
+        def forward(self, x_RD, num_tokens_per_expert_E):
+            w1, w2, w3 = self.w1_EFD, self.w2_EDF, self.w3_EFD
+            if isinstance(w1, DTensor):  # as GroupedExperts.forward under EP
+                w1, w2, w3 = w1.to_local(), w2.to_local(), w3.to_local()
+            offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+            mm = self._grouped_mm
+            h_RF = F.silu(mm(A=x_RD, B_t=w1.transpose(-2, -1), offs=offs))
+            h_RF = h_RF * mm(A=x_RD, B_t=w3.transpose(-2, -1), offs=offs)
+            return mm(A=h_RF, B_t=w2.transpose(-2, -1), offs=offs).type_as(x_RD)
+
+    return FP32GroupedExperts
+
+
+def _register_fp32_override():
+    import dataclasses
+
+    from torchtitan.config import override
+    from torchtitan.models.common.moe import GroupedExperts
+
+    @override(target=GroupedExperts.Config, exact=True,
+              description="reference: torchtitan's GroupedExperts in fp32")
+    def fp32_grouped_experts(cfg):
+        """``GroupedExperts.Config`` -> ``FP32GroupedExperts.Config`` (same fields)."""
+        cls = _fp32_grouped_experts_classes()
+        return cls.Config(**{f.name: getattr(cfg, f.name)
+                             for f in dataclasses.fields(cfg) if f.init})
+
+    return fp32_grouped_experts
+
+
+if __name__ != "__main__":  # imported by --override.imports / --module: register it
+    try:
+        fp32_grouped_experts = _register_fp32_override()
+    except ImportError:  # torchtitan missing: prepare still works
+        pass
 
 
 # --------------------------------------------------------------------- CPU adaptations
